@@ -1,0 +1,4 @@
+from .cast import *
+from .scaler import *
+from .master import *
+from .callback import *
