@@ -6,8 +6,9 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.installed-$(shell cat requirements-dev.txt pyproject.toml | md5sum | cut -c1-10)
 QUIET_PIP := grep -v '^WARNING: Location' || true
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install demo test sync-check nbtest pytest
+.PHONY: install demo test sync-check nbtest pytest bench readme readme-check docs docs-check
 
 $(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,9 +39,36 @@ nbtest: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/pytest -q tests
 
-test: sync-check nbtest pytest
+# The README's test command, and all CI runs: the notebooks are in sync and clean, README.md is fresh, the notebook tests
+# and pytest pass, and the docs site builds and passes its checks in headless Chromium.
+test: sync-check readme-check nbtest pytest docs-check
 
-# README.md is generated from nbs/index.ipynb (nbdev-readme needs Quarto, which cannot be installed here).
+# README.md is generated from nbs/index.ipynb: nbdev's processed notebook through nbconvert's markdown exporter, with
+# the `# title` and `> summary` on top instead of front matter (nbdev-readme needs Quarto, which cannot be installed here).
 readme: $(STAMP)
-	$(BIN)/nbdev-proc-nbs >/dev/null 2>&1 || true
-	$(BIN)/jupyter nbconvert --to markdown _proc/index.ipynb --output-dir . --output README --log-level WARN
+	$(PY) tools/build_readme.py README.md
+
+# Fails when README.md is not what `make readme` makes of nbs/index.ipynb. A few seconds.
+readme-check: $(STAMP)
+	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	$(PY) tools/build_readme.py "$$tmp/README.md" >/dev/null; \
+	diff -u README.md "$$tmp/README.md" || { echo "README.md is stale: run \`make readme\` and commit it."; exit 1; }
+
+# Issue 4's benchmark on the device present: prints markdown tables, writes bench/results/ (results.md, PNG plots),
+# and ends with the headline ratios. A few minutes on 2 CPU cores.
+bench: $(STAMP)
+	$(PY) -m bench.run
+
+# The docs site without Quarto: nbdev's processed notebooks (_proc/) through nbconvert's HTML exporter into _docs/, one
+# page per notebook, with the sidebar of nbs/sidebar.yml (see tools/build_docs.py for why nbconvert).
+# `nbdev-docs` builds the same site with Quarto wherever Quarto is installed. About 20 s.
+docs: $(STAMP)
+	$(PY) tools/build_docs.py
+
+# Opens every page of _docs/ in headless Chromium (Debian's, installed if missing) and fails on broken internal links
+# or anchors, images that do not load, Python tracebacks in outputs, or pages missing from the sidebar; screenshots of
+# the home page and the tutorial go to _docs/screenshots/. About 10 s, plus the build and Chromium's installation.
+docs-check: docs
+	@command -v chromium >/dev/null || { echo "Installing Debian's chromium..."; \
+	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	$(PY) tools/check_docs.py

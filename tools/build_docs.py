@@ -1,0 +1,201 @@
+"""Build the docs site into `_docs/` without Quarto: `make docs`.
+
+nbdev renders its docs with Quarto (`nbdev-docs`), which cannot be installed everywhere we build. This script makes
+the same site from the same input, nbdev's processed notebooks in `_proc/`, with nbconvert's HTML exporter:
+
+- nbconvert is Jupyter's own converter, maintained with the notebook format, already a dev dependency, and it renders
+  every output type a notebook holds (images, DataFrames, nbdev's `show_doc` markdown) as JupyterLab does. Sphinx or
+  mkdocs notebook plugins would bring a second site generator and its config to keep in step with nbdev's.
+- What Quarto adds on top of the notebooks is done here: the front matter gives each page its title, summary and file
+  name (`cast.html` for `00_cast.ipynb`); `nbs/sidebar.yml` gives the navigation; headings get Pandoc's identifiers,
+  so nbdev's doc links (`callback.html#mastermixedprecision`) resolve; links to the published site become relative;
+  formulas are drawn as SVG by matplotlib's mathtext.
+- Each page stands alone: images are embedded (base64), and nothing is loaded from a network.
+
+`nbs/_quarto.yml`, `nbs/nbdev.yml` and `nbs/sidebar.yml` stay as nbdev wants them, so `nbdev-docs` keeps working
+wherever Quarto exists."""
+from __future__ import annotations
+import base64, html, io, mimetypes, re, shutil, sys
+from pathlib import Path
+import yaml
+from bs4 import BeautifulSoup
+from jupyter_core.paths import jupyter_path
+from nbconvert import HTMLExporter
+from nbconvert.filters.markdown import markdown2html
+from processed_nb import load_processed, pandoc_id
+
+TEMPLATES = Path(__file__).parent/'docs_template'
+_math_re = re.compile(r'\$\$(.+?)\$\$|(?<![\\$\w])\$(?=\S)(.+?)(?<=\S)\$(?![\w$])', re.S)
+
+
+def process_notebooks() -> Path:
+    "Run nbdev's notebook processing into `_proc/` and return that folder"
+    # `nbdev-proc-nbs` runs this same `proc_nbs`, but first tries to install Quarto (with sudo and curl: a download on a
+    # CI runner, a failure here) and refreshes `_modidx.py`, which `nbdev-export` owns.
+    from nbdev.serve import proc_nbs
+    return proc_nbs()
+
+
+def sidebar_entries(path:Path) -> list:
+    "`nbs/sidebar.yml` as a list of notebook names and `{'section': title, 'contents': [...]}` dicts"
+    contents = yaml.safe_load(path.read_text())['website']['sidebar']['contents']
+    def norm(o):
+        if isinstance(o, str): return o
+        if 'section' in o: return {'section': o['section'], 'contents': [norm(c) for c in o.get('contents', [])]}
+        if 'href' in o: return o['href']
+        raise ValueError(f"{path}: cannot read sidebar entry {o!r}")
+    return [norm(o) for o in contents]
+
+
+def inline_markdown(md:str) -> str:
+    "HTML of one line of markdown, without the paragraph around it"
+    return re.sub(r'^<p>(.*)</p>\s*$', r'\1', markdown2html(md or '').strip(), flags=re.S)
+
+
+def sidebar_html(entries:list, pages:dict, current:str) -> str:
+    "The sidebar as nested lists, with the current page marked"
+    def item(name):
+        if name not in pages: raise SystemExit(f"nbs/sidebar.yml lists {name}, which is not a notebook in nbs/")
+        p = pages[name]
+        active = ' class="active" aria-current="page"' if p['file'] == current else ''
+        return f'<li><a href="{p["file"]}"{active}>{p["title_html"]}</a></li>'
+    def render(es):
+        out = []
+        for e in es:
+            if isinstance(e, str): out.append(item(e))
+            else: out.append(f'<li><div class="section-title">{html.escape(e["section"])}</div><ul>{render(e["contents"])}</ul></li>')
+        return ''.join(out)
+    return f'<ul>{render(entries)}</ul>'
+
+
+def math_img(tex:str, display:bool) -> str:
+    "An <img> of the formula `tex`, drawn by matplotlib's mathtext as an SVG data URI sized in em"
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.mathtext import math_to_image
+    size = 12. # points; the SVG is sized in em relative to this, so the formula follows the text's size
+    buf = io.BytesIO()
+    try: depth = math_to_image(f'${tex}$', buf, prop=FontProperties(size=size), dpi=72, format='svg')
+    except ValueError as e: # mathtext knows a subset of TeX: show the source rather than fail the build
+        print(f'make docs: cannot draw ${tex}$ ({str(e).splitlines()[0]}); shown as TeX source', file=sys.stderr)
+        return f'<code class="math">{html.escape(tex)}</code>'
+    svg = buf.getvalue()
+    height = float(re.search(rb'height="([\d.]+)pt"', svg).group(1))
+    style = f'height:{height/size:.3f}em' + ('' if display else f';vertical-align:-{depth/size:.3f}em')
+    src = 'data:image/svg+xml;base64,' + base64.b64encode(svg).decode()
+    cls = 'math display' if display else 'math'
+    return f'<img class="{cls}" alt="{html.escape(tex)}" style="{style}" src="{src}">'
+
+
+def render_math(soup) -> None:
+    "Replace `$...$` and `$$...$$` in rendered markdown (not in code) with images, so no MathJax is needed"
+    for area in soup.select('.jp-RenderedMarkdown'):
+        for text in list(area.find_all(string=_math_re)):
+            if text.find_parent(['code', 'pre', 'script', 'style']): continue
+            parts,pos = [],0
+            for m in _math_re.finditer(text):
+                parts += [html.escape(text[pos:m.start()]), math_img(m.group(1) or m.group(2), m.group(1) is not None)]
+                pos = m.end()
+            parts.append(html.escape(text[pos:]))
+            text.replace_with(BeautifulSoup(''.join(parts), 'html.parser'))
+
+
+def embed_images(soup, folder:Path) -> None:
+    "Images that markdown cells load from files, as base64 data, so that each page stands alone"
+    for img in soup.find_all('img', src=True):
+        src = img['src']
+        if re.match(r'^[a-z][a-z0-9+.-]*:', src) or src.startswith('//'): continue # data:, http(s):, attachment:
+        f = folder/src
+        if not f.is_file(): continue # left as is: `make docs-check` reports it
+        mime = mimetypes.guess_type(f.name)[0] or 'application/octet-stream'
+        img['src'] = f'data:{mime};base64,' + base64.b64encode(f.read_bytes()).decode()
+
+
+def fix_headings(soup) -> list:
+    "Give every heading Pandoc's identifier, as Quarto does, and return the page's h2/h3 for its table of contents"
+    seen,toc = {},[]
+    for h in soup.select('main h1, main h2, main h3, main h4, main h5, main h6'):
+        if 'page-title' in (h.get('class') or []): continue
+        for a in h.select('a.anchor-link'): a.extract()
+        text = h.get_text(' ', strip=True)
+        base = pandoc_id(text)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        hid = base if n == 0 else f'{base}-{n}'
+        h['id'] = hid
+        link = soup.new_tag('a', attrs={'class': 'anchor-link', 'href': f'#{hid}'})
+        link.string = '¶'
+        h.append(link)
+        if h.name in ('h2', 'h3'): toc.append((h.name, hid, text))
+    return toc
+
+
+def fix_links(soup, site_url:str, pages:dict) -> None:
+    "Links to the published site become relative, links to notebooks point at their pages"
+    by_nb = {name: p['file'] for name,p in pages.items()}
+    for a in soup.find_all('a', href=True):
+        href = a['href']
+        if site_url and href.startswith(site_url + '/'): href = href[len(site_url)+1:]
+        path,sep,frag = href.partition('#')
+        if path.endswith('.html.md'): path = path[:-3] # nbdev's links to the markdown version of a page
+        if not re.match(r'^[a-z][a-z0-9+.-]*:', path) and path.endswith('.ipynb'):
+            path = by_nb.get(Path(path).name, path)
+        a['href'] = path + sep + frag
+
+
+def toc_html(toc:list) -> str:
+    if not toc: return ''
+    items = ''.join(f'<li class="toc-{tag}"><a href="#{hid}">{html.escape(text)}</a></li>' for tag,hid,text in toc)
+    return f'<div class="toc-title">On this page</div><ul>{items}</ul>'
+
+
+def build() -> list:
+    "Write one HTML page per processed notebook into `_docs/`; return the pages written"
+    from nbdev.config import get_config
+    cfg = get_config()
+    proc = process_notebooks()
+    out = cfg.doc_path
+    site_url = (cfg.get('doc_host', '') + cfg.get('doc_baseurl', '')).rstrip('/')
+    site = dict(title=cfg.title, repo_url=cfg.get('git_url', ''))
+
+    nbs = sorted(proc.glob('*.ipynb'))
+    loaded = {p.name: load_processed(p) for p in nbs}
+    pages = {name: dict(file=meta['output-file'], title=meta['title'], title_html=inline_markdown(meta['title']),
+                        description_html=inline_markdown(meta.get('description', '')), source=name)
+             for name,(meta,nb) in loaded.items()}
+    entries = sidebar_entries(cfg.nbs_path/'sidebar.yml')
+
+    if out.exists(): shutil.rmtree(out)
+    (out/'styles').mkdir(parents=True)
+    lab_css = next(Path(p)/'nbconvert'/'templates'/'lab'/'static' for p in jupyter_path()
+                   if (Path(p)/'nbconvert'/'templates'/'lab'/'static'/'index.css').exists())
+    (out/'styles'/'jupyterlab.css').write_text((lab_css/'index.css').read_text() + (lab_css/'theme-light.css').read_text())
+    own_css = cfg.nbs_path/'styles.css'
+    (out/'styles'/'site.css').write_text((TEMPLATES/'site'/'site.css').read_text() +
+                                         (own_css.read_text() if own_css.exists() else ''))
+
+    # Not `embed_images=True`: it re-parses each inline HTML tag on its own and so breaks nbdev's "source" links
+    # (jupyter/nbconvert#2020); `embed_images` below does the same job after rendering.
+    exporter = HTMLExporter(template_name='site', extra_template_basedirs=[str(TEMPLATES)],
+                            exclude_input_prompt=True, exclude_output_prompt=True)
+    written = []
+    for name,(meta,nb) in loaded.items():
+        page = dict(pages[name], root='', sidebar_html=sidebar_html(entries, pages, pages[name]['file']))
+        body,_ = exporter.from_notebook_node(nb, resources={'page': page, 'site': site,
+                                                            'metadata': {'name': re.sub('<[^>]+>', '', page['title_html'])}})
+        soup = BeautifulSoup(body, 'html.parser')
+        title = html.unescape(re.sub('<[^>]+>', '', page['title_html']))
+        if soup.title: soup.title.string = title if title == cfg.title else f'{title} | {cfg.title}'
+        render_math(soup)
+        embed_images(soup, proc)
+        toc = fix_headings(soup)
+        fix_links(soup, site_url, pages)
+        nav = soup.select_one('nav.site-toc')
+        nav.clear(); nav.append(BeautifulSoup(toc_html(toc), 'html.parser'))
+        (out/page['file']).write_text(str(soup))
+        written.append(page['file'])
+    return written
+
+
+if __name__ == '__main__': # `proc_nbs` starts worker processes, which import this module again
+    pages = build()
+    print(f"_docs/: {len(pages)} pages ({', '.join(pages)}) built from _proc/ without Quarto")

@@ -1,0 +1,111 @@
+"""Read nbdev's processed notebooks (`_proc/`) the way Quarto reads them, for the tools that render them without Quarto.
+
+`nbdev-proc-nbs` writes notebooks meant for Quarto: the title and summary move into YAML front matter in a raw first
+cell (with `output-file`, the page's name), `show_doc` cells carry the cell options `#| echo: false` and
+`#| output: asis`, and `show_doc` output uses Pandoc's link attributes (`[source](url){target="_blank"}`). Jupyter's
+converters know none of this; `load_processed` turns it into plain notebook features they do know."""
+from __future__ import annotations
+import re
+from pathlib import Path
+import nbformat, yaml
+
+_front_matter_re = re.compile(r'\A\s*---\s*\n(.*?)\n---\s*\Z', re.S)
+_cell_option_re = re.compile(r'^#\|\s*([\w-]+)\s*:\s*(.*?)\s*$')
+# `[text](url){attrs}`: Pandoc's attributes on a link, used by nbdev's show_doc for the "source" link
+_link_attrs_re = re.compile(r'\[([^\]\n]*)\]\(([^)\s]+)\)\{([^}\n]*)\}')
+_attr_re = re.compile(r'([\w-]+)="([^"]*)"|\.([\w-]+)|#([\w-]+)')
+# Quarto's fenced divs, as callouts use them: `::: {.callout-note}` ... `:::`
+_div_open_re = re.compile(r'^:::+\s*\{([^}]*)\}\s*$')
+_div_close_re = re.compile(r'^:::+\s*$')
+_cell_keys = {'id', 'cell_type', 'metadata', 'source', 'attachments', 'execution_count', 'outputs'}
+
+
+def split_front_matter(nb) -> dict:
+    "Remove the raw front-matter cell that nbdev puts first, and return its YAML as a dict ({} if there is none)"
+    if nb.cells and nb.cells[0].cell_type == 'raw':
+        m = _front_matter_re.match(nb.cells[0].source)
+        if m:
+            nb.cells.pop(0)
+            return yaml.safe_load(m.group(1)) or {}
+    return {}
+
+
+def cell_options(source:str) -> tuple[dict, str]:
+    "Quarto's `#| key: value` options at the top of a cell, and the source without them"
+    lines,opts = source.splitlines(),{}
+    while lines and lines[0].startswith('#|'):
+        m = _cell_option_re.match(lines.pop(0))
+        if m: opts[m.group(1)] = yaml.safe_load(m.group(2)) if m.group(2) else None
+    return opts, '\n'.join(lines)
+
+
+def _html_attrs(attrs:str) -> str:
+    res,classes = [],[]
+    for name,value,cls,id_ in _attr_re.findall(attrs):
+        if cls: classes.append(cls)
+        elif id_: res.append(f'id="{id_}"')
+        else: res.append(f'{name}="{value}"')
+    if classes: res.append(f'class="{" ".join(classes)}"')
+    return ' '.join(res)
+
+
+def plain_markdown(md:str, html:bool=True) -> str:
+    "`md` without Pandoc-only syntax: link attributes become HTML links (or are dropped), callouts become divs"
+    if html: md = _link_attrs_re.sub(lambda m: f'<a href="{m.group(2)}" {_html_attrs(m.group(3))}>{m.group(1)}</a>', md)
+    else: md = _link_attrs_re.sub(r'[\1](\2)', md)
+    out = []
+    for line in md.splitlines():
+        m = _div_open_re.match(line)
+        if m:
+            # An HTML block ends at a blank line, so the markdown inside the div is still parsed as markdown
+            out += ['', f'<div {_html_attrs(m.group(1))}>' if html else '', '']
+        elif _div_close_re.match(line): out += ['', '</div>' if html else '', '']
+        else: out.append(line)
+    return '\n'.join(out)
+
+
+def apply_cell_options(nb) -> None:
+    "Do what Quarto does with `include`, `echo`, `output` and `code-fold`, and drop the option lines from the shown source"
+    cells = []
+    for cell in nb.cells:
+        # nbdev's `has_sd` and its timings (`execution.total`, a number) fail nbformat's validation
+        for k in set(cell) - _cell_keys: del cell[k]
+        cell.metadata.pop('execution', None)
+        if cell.cell_type == 'code':
+            opts,cell.source = cell_options(cell.source)
+            if opts.get('include') is False: continue
+            if opts.get('echo') is False: # nbconvert hides the source; the tag (class `celltag_echo-false`) is for styling
+                cell.metadata.setdefault('transient', {})['remove_source'] = True
+                cell.metadata.setdefault('tags', []).append('echo-false')
+            if opts.get('output') is False: cell.outputs = []
+            fold = opts.get('code-fold')
+            if fold in (True, 'show'): cell.metadata['code_fold'] = 'show' if fold == 'show' else 'hide'
+        cells.append(cell)
+    nb.cells = cells
+
+
+def _markdown_outputs(nb):
+    for cell in nb.cells:
+        for out in cell.get('outputs', []):
+            if 'text/markdown' in out.get('data', {}): yield out.data
+
+
+def load_processed(path:Path, html:bool=True) -> tuple[dict, nbformat.NotebookNode]:
+    "The front matter and the notebook at `path` (in `_proc/`), with Quarto's markup turned into plain notebook features"
+    nb = nbformat.read(path, as_version=4)
+    meta = split_front_matter(nb)
+    meta.setdefault('output-file', re.sub(r'^\d+_', '', Path(path).stem) + '.html')
+    meta.setdefault('title', Path(path).stem)
+    apply_cell_options(nb)
+    for cell in nb.cells:
+        if cell.cell_type == 'markdown': cell.source = plain_markdown(cell.source, html)
+    for data in _markdown_outputs(nb): data['text/markdown'] = plain_markdown(data['text/markdown'], html)
+    return meta, nb
+
+
+def pandoc_id(text:str) -> str:
+    "The identifier Pandoc (and so Quarto, and nbdev's doc links) gives a heading with this text"
+    s = re.sub(r'[^\w\s.-]', '', text.strip(), flags=re.UNICODE)
+    s = re.sub(r'\s+', '-', s).lower()
+    s = re.sub(r'^[^a-z]+', '', s) # identifiers start with a letter
+    return s or 'section'
