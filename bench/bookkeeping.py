@@ -1,0 +1,84 @@
+"Section 1: the master-weight bookkeeping alone (grad path and copy-back) vs fastai's per-parameter helpers vs a plain copy."
+from __future__ import annotations
+import torch, torchvision
+from torch import nn
+from fastai.callback.fp16 import to_master_grads, grad_overflow, to_model_params
+from mpcallbacks.master import MasterParams
+from mpcallbacks.scaler import LossScaler
+from .common import time_side_by_side, median_ms, linear_norm_stack, n_tensors, n_params
+
+def bookkeeping_models() -> dict:
+    "ResNet-18 (62 tensors, 11.7M parameters) and a model with 202 tensors and 13.2M parameters"
+    torch.manual_seed(0)
+    return {'ResNet-18': torchvision.models.resnet18(weights=None), 'Linear+LayerNorm x50': linear_norm_stack()}
+
+def _16bit_params_with_grads(model:nn.Module, dtype:torch.dtype) -> list:
+    "16-bit copies of `model`'s parameters, each with a small random gradient, as after a scaled backward"
+    res = [nn.Parameter(p.detach().to(dtype)) for p in model.parameters()]
+    for p in res: p.grad = (torch.randn_like(p, dtype=torch.float32) * 1e-2).to(dtype)
+    return res
+
+def _fp32_masters(model:nn.Module) -> list: return [nn.Parameter(p.detach().clone()) for p in model.parameters()]
+
+def bookkeeping_fns(model:nn.Module, dtype=torch.float16, device='cpu', loss_scale:float=2.**16) -> dict:
+    "name -> one step's bookkeeping for `model`'s parameters, every variant with its own tensors"
+    model = model.to(device)
+    numel = n_params(model)
+    # Ours: what `MasterMixedPrecision.before_step` and `after_step` run.
+    ours16,ours32 = _16bit_params_with_grads(model, dtype),_fp32_masters(model)
+    masters,scaler = MasterParams(list(zip(ours16, ours32))),LossScaler(init_scale=loss_scale)
+    def ours_grad_path():
+        grads = masters.grads_to_masters()
+        found_inf = scaler.unscale_(grads)
+        return found_inf.item() # the callback's one host sync per step
+    def ours_copy_back(): masters.masters_to_model()
+
+    # fastai: what `NonNativeMixedPrecision.before_step` and `after_step` run (dynamic scaling, no clipping).
+    fa16,fa32 = [_16bit_params_with_grads(model, dtype)],[_fp32_masters(model)]
+    def fastai_grad_path():
+        if grad_overflow(fa16): return True # one `float(x.float().sum())` per tensor
+        to_master_grads(fa16, fa32)
+        for p in fa32[0]: p.grad.div_(loss_scale)
+        return False
+    def fastai_copy_back(): to_model_params(fa16, fa32)
+
+    # Reference variants of our grad path, to show where its time goes.
+    ref16,ref32 = _16bit_params_with_grads(model, dtype),_fp32_masters(model)
+    for p in ref32: p.grad = torch.zeros_like(p)
+    ref_g16,ref_g32 = [p.grad for p in ref16],[p.grad for p in ref32]
+    inv_scale = torch.full((), 1./loss_scale, device=device) # exact: the scale is a power of two
+    def copy_unscale_no_zeroing(): # the library's ops without zeroing the 16-bit gradients
+        torch._foreach_copy_(ref_g32, ref_g16)
+        found_inf = torch.zeros((), device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(ref_g32, found_inf, inv_scale)
+        return found_inf.item()
+    flat16,flat32 = torch.randn(numel, device=device).to(dtype),torch.empty(numel, device=device)
+    def flat_copy_unscale(): # gradients in one flat buffer per dtype: one copy, one unscale
+        flat32.copy_(flat16)
+        found_inf = torch.zeros((), device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_([flat32], found_inf, inv_scale)
+        return found_inf.item()
+
+    # The floor: moving the same number of values once, in one flat tensor.
+    copy16,copy32 = torch.randn(numel, device=device).to(dtype),torch.randn(numel, device=device)
+    def copy_16_to_32(): copy32.copy_(copy16)
+    def copy_32_to_16(): copy16.copy_(copy32)
+    return {'copy_ 16->32': copy_16_to_32, 'copy_ 32->16': copy_32_to_16,
+            'ours grad path': ours_grad_path, 'fastai grad path': fastai_grad_path,
+            'ours copy-back': ours_copy_back, 'fastai copy-back': fastai_copy_back,
+            'ref: copy+unscale, no zeroing': copy_unscale_no_zeroing, 'ref: flat copy+unscale': flat_copy_unscale}
+
+def run_bookkeeping(device, warmup:int=5, repeats:int=25, dtype=torch.float16) -> list:
+    "One row per model: median ms of each variant, measured side by side, and the ratios the targets use"
+    rows = []
+    for name,model in bookkeeping_models().items():
+        fns = bookkeeping_fns(model, dtype, device)
+        ms = {k:median_ms(v) for k,v in time_side_by_side(fns, device, warmup, repeats).items()}
+        rows.append(dict(model=name, tensors=n_tensors(model), params_M=n_params(model)/1e6, ms=ms,
+            grad_vs_copy=ms['ours grad path'] / ms['copy_ 16->32'],
+            fastai_vs_ours=ms['fastai grad path'] / ms['ours grad path'],
+            back_vs_copy=ms['ours copy-back'] / ms['copy_ 32->16'],
+            back_vs_copy16=ms['ours copy-back'] / ms['copy_ 16->32'],
+            fastai_vs_copy=ms['fastai grad path'] / ms['copy_ 16->32'])) # the most any grad path could gain over fastai's
+        del model, fns
+    return rows

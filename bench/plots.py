@@ -1,0 +1,81 @@
+"PNG plots of the benchmark's sections, written next to results.md."
+from __future__ import annotations
+from pathlib import Path
+import matplotlib
+matplotlib.use('Agg') # no display: files only
+import matplotlib.pyplot as plt
+import numpy as np
+
+def _grouped_bars(ax, groups:list, series:dict, ylabel:str, log:bool=False):
+    "One cluster of bars per group, one bar per series (series -> values in group order)"
+    x,width = np.arange(len(groups)),0.8 / max(1, len(series))
+    for i,(name,vals) in enumerate(series.items()):
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=name)
+    ax.set_xticks(x, groups, fontsize=8)
+    ax.set_ylabel(ylabel)
+    if log: ax.set_yscale('log')
+    ax.legend(fontsize=7)
+
+def _save(fig, path:Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+def plot_bookkeeping(rows:list, out:Path) -> Path:
+    variants = list(rows[0]['ms'])
+    fig,ax = plt.subplots(figsize=(9, 4))
+    _grouped_bars(ax, variants, {f"{r['model']} ({r['tensors']} tensors)": [r['ms'][v] for v in variants] for r in rows}, 'ms per step (median)')
+    ax.tick_params(axis='x', labelrotation=25)
+    ax.set_title('1. Master-weight bookkeeping, float16')
+    return _save(fig, out/'bookkeeping.png')
+
+def plot_whole_step(rows:list, bound:dict, out:Path) -> Path:
+    configs = list(rows[0]['ms'])
+    fig,(ax1,ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw=dict(width_ratios=[3, 1]))
+    _grouped_bars(ax1, [f"{r['model']}\n{r['dtype']}" for r in rows], {c:[r['ms'][c] for r in rows] for c in configs},
+                  'ms per training step (median)', log=True)
+    ax1.set_title('2. Whole training step (fastai AMP trains FP32 on CPU)')
+    names = list(bound['ms'])
+    ax2.bar(range(len(names)), [bound['ms'][n] for n in names], color=['C0', 'C1', 'C3'][:len(names)])
+    ax2.set_xticks(range(len(names)), [n.replace(' (', '\n(') for n in names], fontsize=7)
+    ax2.set_ylabel('ms per training step (median)')
+    ax2.set_title('202 tensors, SGD, float16', fontsize=9)
+    return _save(fig, out/'whole_step.png')
+
+def plot_memory(rows:list, out:Path) -> Path:
+    parts = ['model params', 'model grads', 'optimizer params (masters)', 'optimizer params grads', 'optimizer state']
+    fig,ax = plt.subplots(figsize=(10, 4))
+    x,bottom = np.arange(len(rows)),np.zeros(len(rows))
+    for p in parts:
+        vals = np.array([r[p] / 2**20 for r in rows])
+        ax.bar(x, vals, 0.5, bottom=bottom, label=p)
+        bottom += vals
+    ax.plot(x, [(r['peak_rss'] - r['rss_before_fit']) / 2**20 for r in rows], 'kD', label='peak RSS - RSS before fit')
+    ax.set_xticks(x, [r['config'] for r in rows], fontsize=8)
+    ax.set_ylabel('MiB')
+    ax.set_title('3. Parameters, gradients, optimizer state during fit (202-tensor model, Adam)', fontsize=10)
+    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1))
+    return _save(fig, out/'memory.png')
+
+def plot_syncs(rows:list, out:Path) -> Path:
+    models = list(dict.fromkeys(r['model'] for r in rows))
+    configs = [c for c in dict.fromkeys(r['config'] for r in rows) if c != 'FP32']
+    per = {(r['model'], r['config']):r['extra_per_step'] for r in rows}
+    fig,ax = plt.subplots(figsize=(8, 4))
+    _grouped_bars(ax, models, {c:[max(per[(m, c)], 1e-2) for m in models] for c in configs},
+                  'extra host syncs per training step vs FP32', log=True)
+    ax.set_ylim(bottom=0.1) # bars at 1.0 stay visible on the log scale
+    ax.axhline(1, color='k', ls='--', lw=1)
+    ax.set_title('4. Host syncs over a whole fit (dashed: the budget, one per step)')
+    return _save(fig, out/'syncs.png')
+
+def plot_cuda(rows:list, out:Path) -> Path:
+    archs = list(dict.fromkeys(r['arch'] for r in rows))
+    configs = list(dict.fromkeys(r['config'] for r in rows))
+    val = {(r['arch'], r['config']):r for r in rows}
+    fig,(ax1,ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    _grouped_bars(ax1, archs, {c:[val[(a, c)]['images_per_s'] for a in archs] for c in configs}, 'images/s (224 px)')
+    _grouped_bars(ax2, archs, {c:[val[(a, c)]['largest_batch'] or 0 for a in archs] for c in configs}, 'largest batch that fits')
+    fig.suptitle('5. CUDA throughput')
+    return _save(fig, out/'cuda_throughput.png')

@@ -1,0 +1,170 @@
+"`make bench`: every section side by side on the device present; prints markdown tables, writes bench/results/, ends with the headline."
+from __future__ import annotations
+import argparse, os, platform, time, warnings
+warnings.filterwarnings('ignore', category=FutureWarning, message='.*torch.jit.script') # torchvision's, at import
+from datetime import datetime, timezone
+from pathlib import Path
+import torch, fastai
+from .bookkeeping import run_bookkeeping
+from .step import run_whole_step, run_bookkeeping_bound_fit
+from .memory import run_memory
+from .syncs import run_syncs
+from .cuda_throughput import run_cuda_throughput
+from . import plots
+
+results_dir = Path(__file__).resolve().parent / 'results'
+
+def md_table(headers:list, rows:list) -> str:
+    "A markdown table; floats get 3 significant digits"
+    fmt = lambda v: f'{v:.3g}' if isinstance(v, float) else str(v)
+    lines = ['| ' + ' | '.join(headers) + ' |', '|' + '|'.join('---' for _ in headers) + '|']
+    return '\n'.join(lines + ['| ' + ' | '.join(fmt(v) for v in r) + ' |' for r in rows])
+
+def _x(v:float) -> str: return f'{v:.2f}x'
+def _mib(b) -> str: return '-' if b is None else f'{b / 2**20:.1f}'
+
+def bookkeeping_section(rows:list) -> str:
+    variants = list(rows[0]['ms'])
+    cols = ['ms per step (median)'] + [f"{r['model']} ({r['tensors']} tensors, {r['params_M']:.1f}M)" for r in rows]
+    body = [[v] + [f"{r['ms'][v]:.2f}" for r in rows] for v in variants]
+    body += [['**ours grad path / copy_ 16->32**'] + [_x(r['grad_vs_copy']) for r in rows],
+             ['**fastai grad path / ours**'] + [_x(r['fastai_vs_ours']) for r in rows],
+             ['fastai grad path / copy_ 16->32 (the most a grad path could gain)'] + [_x(r['fastai_vs_copy']) for r in rows],
+             ['**ours copy-back / copy_ 32->16**'] + [_x(r['back_vs_copy']) for r in rows],
+             ['ours copy-back / copy_ 16->32'] + [_x(r['back_vs_copy16']) for r in rows]]
+    return ('### 1. Bookkeeping per optimizer step (float16 parameters)\n\n'
+            'ours grad path = `grads_to_masters()` + `LossScaler.unscale_()` + one `.item()`; ours copy-back = `masters_to_model()`. '
+            'fastai grad path = `grad_overflow` + `to_master_grads` + per-parameter `div_` (as `NonNativeMixedPrecision.before_step`); '
+            'fastai copy-back = `to_model_params`. copy_ = one flat tensor of the same number of values. '
+            'The `ref:` rows are variants of our grad path, for where its time goes.\n\n' + md_table(cols, body))
+
+def whole_step_section(rows:list, bound:dict, device) -> str:
+    configs,r0 = list(rows[0]['ms']),rows[0]
+    cols = ['model', 'dtype'] + [f'{c} ms' for c in configs] + [
+        'to_mixed / hand loop', 'FP32 Learner / FP32 hand loop', "callback's own ms (to_mixed - hand) - (FP32 - hand FP32)"]
+    body = [[r['model'], r['dtype']] + [f"{r['ms'][c]:.2f}" for c in configs]
+            + [_x(r['mixed_vs_hand']), _x(r['learner_vs_hand_fp32']), f"{r['callback_own_ms']:+.2f}"] for r in rows]
+    note = ("**fastai AMP (`to_fp16()`/`to_bf16()`) trains FP32 on this CPU**: it uses `autocast('cuda')`, disabled without CUDA.\n\n"
+            if device.type != 'cuda' else '')
+    b_rows = [[k, f'{v:.2f}'] for k,v in bound['ms'].items()] + [['**to_mixed / fastai non-native**', _x(bound['mixed_vs_nonnative'])]]
+    return ('### 2. Whole training step inside `fit` (median ms per training batch, data loading and validation excluded)\n\n'
+            f"Digits, bs 64, Adam (wd=0); {r0['rounds']} rounds of short fits ({r0['steps']} training steps, the first "
+            f"{r0['skip']} not timed), the configs taking turns in a rotating order. "
+            'hand loop = the same math as `to_mixed()` written out (same cast, FP32 loss, scaled backward, `_foreach_copy_` + '
+            'fused unscale/check + one `.item()`, step on the masters, copy back), over the same DataLoader, without a Learner. '
+            "hand loop FP32 = a plain FP32 loop, to show the Learner's own overhead; the last column is what `to_mixed()` "
+            'costs beyond that overhead.\n\n'
+            + note + md_table(cols, body) +
+            f"\n\n#### 2b. Bookkeeping-bound fit: {bound['model']}, bs {bound['bs']}, float16, SGD without momentum\n\n"
+            f"{bound['rounds']} rounds of short fits ({bound['steps']} steps, the first {bound['skip']} not timed), in turn. "
+            'fastai non-native = `ModelToHalf` + `NonNativeMixedPrecision(max_loss_scale=2**16)` with only the CUDA assert removed '
+            '(the same initial scale as ours).\n\n' + md_table(['config', 'ms per training step'], b_rows))
+
+def memory_section(rows:list) -> str:
+    parts = ['model params', 'model grads', 'optimizer params (masters)', 'optimizer params grads', 'optimizer state', 'total']
+    peak = 'peak RSS during fit' if all(r['peak_rss_is_fit'] for r in rows) else 'peak RSS of the process'
+    cols = ['config'] + [f'{p} MiB' for p in parts] + ['RSS before fit MiB', f'{peak} MiB', 'peak RSS - before MiB', 'peak CUDA MiB']
+    body = [[r['config']] + [_mib(r[p]) for p in parts]
+            + [_mib(r['rss_before_fit']), _mib(r['peak_rss']), _mib(r['peak_rss'] - r['rss_before_fit']), _mib(r['peak_cuda'])] for r in rows]
+    return ('### 3. Memory during fit: Linear+LayerNorm x50 (13.2M parameters), Adam, bs 4, each config in its own process\n\n'
+            'Bytes at `after_step`, each storage counted once. Optimizer params = the optimizer\'s parameters that are not the '
+            'model\'s (the FP32 masters). fastai `to_fp16()` trains FP32 on a CPU.\n\n' + md_table(cols, body))
+
+def syncs_section(rows:list) -> str:
+    cols = ['model', 'tensors', 'config', 'train steps', 'syncs per fit', 'extra vs FP32', 'extra per step', '<= steps + 2']
+    body = [[r['model'], r['tensors'], r['config'], r['train_steps'], r['syncs'], r['extra'], f"{r['extra_per_step']:.2f}",
+             'yes' if r['within_budget'] else 'no'] for r in rows]
+    return ('### 4. Host syncs over one whole `fit` (set-up and validation included)\n\n'
+            'Calls of `Tensor.item`, `__bool__`, `__float__`, `__int__`, `tolist`, counted by wrapping them.\n\n' + md_table(cols, body))
+
+def cuda_section(rows:list|None) -> str:
+    if rows is None: return '### 5. CUDA throughput\n\nSkipped: no CUDA device here.'
+    cols = ['arch', 'config', 'bs', 'images/s', 'largest batch']
+    body = [[r['arch'], r['config'], r['bs'], f"{r['images_per_s']:.0f}", r['largest_batch']] for r in rows]
+    return '### 5. CUDA throughput, 224 px synthetic data\n\n' + md_table(cols, body)
+
+def targets(book:list, step:list, bound:dict, syncs:list) -> list:
+    "(target, measured, met) for each of the issue's targets"
+    r18,many = book
+    mixed_syncs = [r for r in syncs if r['config'].startswith('to_mixed')]
+    worst_step = max(step, key=lambda r: r['mixed_vs_hand'])
+    return [
+        ('grad path <= 1.3x copy_ (both models)', f"{_x(r18['grad_vs_copy'])} (R18), {_x(many['grad_vs_copy'])} ({many['tensors']} tensors)",
+         max(r18['grad_vs_copy'], many['grad_vs_copy']) <= 1.3),
+        ('grad path >= 2x faster than fastai, ResNet-18', _x(r18['fastai_vs_ours']), r18['fastai_vs_ours'] >= 2),
+        (f"grad path >= 5x faster than fastai, {many['tensors']} tensors", _x(many['fastai_vs_ours']), many['fastai_vs_ours'] >= 5),
+        ('copy-back <= 1.1x copy_ (32->16, both models)', f"{_x(r18['back_vs_copy'])} (R18), {_x(many['back_vs_copy'])} ({many['tensors']} tensors)",
+         max(r18['back_vs_copy'], many['back_vs_copy']) <= 1.1),
+        ('whole step to_mixed <= 1.05x hand loop (every model/dtype)',
+         ', '.join(f"{_x(r['mixed_vs_hand'])} ({r['model'].split(' (')[0]}, {r['dtype']})" for r in step), worst_step['mixed_vs_hand'] <= 1.05),
+        ('(not an issue target) callback overhead beyond the FP32 Learner\'s own, per step',
+         ', '.join(f"{r['callback_own_ms']:+.2f} ms ({r['model'].split(' (')[0]}, {r['dtype']})" for r in step), None),
+        ('syncs: to_mixed adds <= 1 per training step + 2 per fit',
+         ', '.join(f"+{r['extra']} over {r['train_steps']} steps ({r['model']}, {r['config'].split()[1]})" for r in mixed_syncs),
+         all(r['within_budget'] for r in mixed_syncs)),
+        ('bookkeeping-bound fit: to_mixed not slower than fastai non-native', _x(bound['mixed_vs_nonnative']), bound['mixed_vs_nonnative'] <= 1.0),
+    ]
+
+def headline(book:list, step:list, bound:dict, syncs:list) -> str:
+    r18,many = book
+    worst = max(r['mixed_vs_hand'] for r in step)
+    cnn = {r['config']:r for r in syncs if r['model'] == 'digits CNN'}
+    nn_syncs = next(r for r in syncs if r['config'] == 'fastai non-native' and r['model'] != 'digits CNN')
+    return (f"HEADLINE: grad path {_x(r18['grad_vs_copy'])} copy (R18), {_x(many['grad_vs_copy'])} ({many['tensors']}-tensor); "
+            f"{_x(r18['fastai_vs_ours'])} faster than fastai (R18), {_x(many['fastai_vs_ours'])} ({many['tensors']}-tensor); "
+            f"copy-back {_x(r18['back_vs_copy'])} copy (R18); step {_x(worst)} hand loop (worst of {len(step)}); "
+            f"bookkeeping-bound fit {_x(bound['mixed_vs_nonnative'])} fastai non-native; "
+            f"syncs +{cnn['to_mixed float16']['extra_per_step']:.2f}/step (fastai non-native +{nn_syncs['extra_per_step']:.0f}/step)")
+
+def environment(device, threads:int) -> str:
+    cpu = next((l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name')), platform.processor()) \
+        if Path('/proc/cpuinfo').exists() else platform.processor()
+    dev = torch.cuda.get_device_name(device) if device.type == 'cuda' else f'CPU: {cpu}, {os.cpu_count()} cores, {threads} torch threads'
+    return (f"torch {torch.__version__}, fastai {fastai.__version__}, Python {platform.python_version()}; {dev}; "
+            f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument('--device', default=None, help="'cpu' or 'cuda'; default: cuda if present")
+    ap.add_argument('--threads', type=int, default=1, help='torch threads on a CPU (default 1: see below)')
+    ap.add_argument('--quick', action='store_true', help='fewer repeats: checks that everything runs, numbers are rough')
+    args = ap.parse_args()
+    device = torch.device(args.device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+    # One thread on a CPU: with another job on the other core, two OpenMP threads stall at every barrier and a median
+    # of the same op varied 5-40x between runs here; with one thread it varied ~10%. Ratios are what the targets use.
+    if device.type == 'cpu': torch.set_num_threads(args.threads)
+    os.environ['BENCH_THREADS'] = str(torch.get_num_threads()) # the memory section's child processes use the same
+    repeats = 5 if args.quick else 25
+    results_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    out = []
+    header = (f'# mpcallbacks benchmark\n\n{environment(device, torch.get_num_threads())}. Every comparison within a table was '
+              f'measured side by side (interleaved rounds) in this run; times are medians.')
+    def emit(s):
+        print('\n' + s, flush=True)
+        out.append(s)
+    emit(header)
+    book = run_bookkeeping(device, repeats=repeats)
+    emit(bookkeeping_section(book))
+    step = run_whole_step(device, rounds=2 if args.quick else 8)
+    bound = run_bookkeeping_bound_fit(device, rounds=2 if args.quick else 16)
+    emit(whole_step_section(step, bound, device))
+    mem = run_memory(device)
+    emit(memory_section(mem))
+    syncs = run_syncs(device)
+    emit(syncs_section(syncs))
+    cuda = run_cuda_throughput(device) if device.type == 'cuda' else None
+    emit(cuda_section(cuda))
+    tgt = targets(book, step, bound, syncs)
+    emit('### Targets (issue 4)\n\n' + md_table(['target', 'measured', 'met'], [[t, m, '-' if ok is None else 'yes' if ok else '**no**'] for t,m,ok in tgt]))
+    pngs = [plots.plot_bookkeeping(book, results_dir), plots.plot_whole_step(step, bound, results_dir),
+            plots.plot_memory(mem, results_dir), plots.plot_syncs(syncs, results_dir)]
+    if cuda: pngs.append(plots.plot_cuda(cuda, results_dir))
+    head = headline(book, step, bound, syncs)
+    secs = time.perf_counter() - start
+    out += ['### Plots\n\n' + '\n'.join(f'![{p.stem}]({p.name})' for p in pngs), f'Benchmark time: {secs:.0f} s.', head]
+    (results_dir / 'results.md').write_text('\n\n'.join(out) + '\n')
+    print(f"\nWrote {results_dir / 'results.md'} and {len(pngs)} plots in {secs:.0f} s.")
+    print(head)
+
+if __name__ == '__main__': main()

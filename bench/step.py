@@ -1,0 +1,113 @@
+"Section 2: whole training steps inside `fit`: FP32, `to_mixed()`, a hand-written master-weights loop, fastai's AMP; and the bookkeeping-bound fit vs fastai's `NonNativeMixedPrecision`."
+from __future__ import annotations
+import statistics, time
+from functools import partial
+import torch
+from fastai.basics import Learner, Callback, CancelTrainException, CrossEntropyLossFlat, Adam, SGD
+import fastai.callback.fp16 # to_fp16, to_bf16
+from mpcallbacks.all import * # Learner.to_mixed
+from mpcallbacks.cast import cast_model
+from mpcallbacks.digits import digits_dls, digits_cnn
+from .common import (sync, quiet, batch_timer, median_ms, digits_mlp, linear_norm_stack, synthetic_dls,
+                     to_non_native_fp16_any_device)
+
+def _dtype_name(dtype) -> str: return str(dtype).split('.')[1]
+
+class StopTrainingAfter(Callback):
+    "End the training phase after `steps` batches: short fits, so that configs can take turns often"
+    order = 1001 # after `TrainBatchTimes` recorded the batch
+    def __init__(self, steps:int): self.steps = steps
+    def after_batch(self):
+        if self.training and self.iter + 1 >= self.steps: raise CancelTrainException()
+
+def learner_step_times(make_model, dls, config:str, dtype, lr:float, steps:int, opt_func, device) -> list:
+    "Seconds of each of the first `steps` training batches of a one-epoch `fit` with `config`"
+    learn = Learner(dls, make_model(), loss_func=CrossEntropyLossFlat(), opt_func=opt_func, wd=0.)
+    if config == 'to_mixed': learn.to_mixed(dtype)
+    elif config == 'fastai AMP': learn.to_fp16() if dtype == torch.float16 else learn.to_bf16()
+    elif config == 'fastai non-native': to_non_native_fp16_any_device(learn, max_loss_scale=2.**16) # our initial scale
+    elif config != 'FP32': raise ValueError(f"Unknown config {config!r}")
+    cbs,times = batch_timer(device)
+    with quiet(learn): learn.fit(1, lr, cbs=cbs + [StopTrainingAfter(steps)])
+    return times
+
+def hand_loop_step_times(make_model, dls, dtype, lr:float, steps:int, opt_func, device) -> list:
+    "Seconds of each of `steps` training steps of the same math as `to_mixed()` written out; `dtype=None`: plain FP32"
+    model,loss_func = make_model().to(device),CrossEntropyLossFlat()
+    if dtype is None: # the FP32 loop: the floor of the Learner's own overhead
+        opt = opt_func(list(model.parameters()), lr=lr, wd=0.) # as the Learner's, built with wd=0.
+        step = lambda xb,yb: (loss_func(model(xb), yb).backward(), opt.step(), opt.zero_grad())
+    else:
+        cast = cast_model(model, dtype) # the same cast as `to_mixed()`: BatchNorm stays FP32, a hook casts the input
+        model16 = [h for h,_ in cast.pairs]
+        masters = [o for _,o in cast.pairs]
+        own32 = [p for p in model.parameters() if p.dtype == torch.float32] # BatchNorm's, trained as they are
+        for m in masters: m.grad = torch.zeros_like(m)
+        master_grads = [m.grad for m in masters]
+        opt = opt_func(masters + own32, lr=lr, wd=0.)
+        scale = 2.**16 if dtype == torch.float16 else 1. # to_mixed's 'auto': dynamic from 2**16 for float16, none for bfloat16
+        inv_scale = torch.full((), 1./scale, device=device)
+        def step(xb, yb):
+            loss = loss_func(model(xb).float(), yb) # FP32 loss
+            (loss * scale if scale != 1. else loss).backward()
+            grads16 = [p.grad for p in model16]
+            torch._foreach_copy_(master_grads, grads16)
+            torch._foreach_zero_(grads16)
+            grads32 = master_grads + [p.grad for p in own32 if p.grad is not None]
+            found_inf = torch.zeros((), device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads32, found_inf, inv_scale)
+            if not found_inf.item(): # one host sync
+                opt.step()
+                with torch.no_grad(): torch._foreach_copy_(model16, masters)
+            opt.zero_grad()
+    times = []
+    model.train()
+    for xb,yb in dls.train: # the Learner's loader, so data loading is alike (and excluded from the times)
+        sync(device)
+        start = time.perf_counter()
+        step(xb, yb)
+        sync(device)
+        times.append(time.perf_counter() - start)
+        if len(times) == steps: break
+    if dtype is not None: cast.restore()
+    return times
+
+def _side_by_side_fits(runs:dict, rounds:int, skip:int) -> dict:
+    "name -> median ms per step over `rounds` short fits of each run, taken in turn; the first `skip` steps of each fit are warm-up"
+    # Background load comes in bursts of seconds: many short fits, in an order that rotates, spread it over all runs.
+    times,names = {k:[] for k in runs},list(runs)
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]: times[k] += runs[k]()[skip:]
+    return {k:median_ms(v) for k,v in times.items()}
+
+def run_whole_step(device, rounds:int=8, skip:int=2, steps:int=8, lr:float=1e-3) -> list:
+    "One row per (model, dtype): median ms per training step of each config, side by side"
+    dls = digits_dls(bs=64, device=device)
+    models = {'digits CNN (BatchNorm)': digits_cnn, 'digits MLP': digits_mlp}
+    rows = []
+    for mname,make_model in models.items():
+        for dtype in (torch.bfloat16, torch.float16):
+            common = dict(dls=dls, lr=lr, steps=steps, opt_func=Adam, device=device)
+            runs = {'FP32': partial(learner_step_times, make_model, config='FP32', dtype=None, **common),
+                    'to_mixed': partial(learner_step_times, make_model, config='to_mixed', dtype=dtype, **common),
+                    'hand loop': partial(hand_loop_step_times, make_model, dtype=dtype, **common),
+                    'hand loop FP32': partial(hand_loop_step_times, make_model, dtype=None, **common),
+                    'fastai AMP': partial(learner_step_times, make_model, config='fastai AMP', dtype=dtype, **common)}
+            ms = _side_by_side_fits(runs, rounds, skip)
+            rows.append(dict(model=mname, dtype=_dtype_name(dtype), steps=steps, skip=skip, rounds=rounds, ms=ms,
+                             mixed_vs_hand=ms['to_mixed'] / ms['hand loop'],
+                             learner_vs_hand_fp32=ms['FP32'] / ms['hand loop FP32'],
+                             # what the callback adds beyond the Learner's own per-batch overhead (the FP32 pair's gap)
+                             callback_own_ms=(ms['to_mixed'] - ms['hand loop']) - (ms['FP32'] - ms['hand loop FP32'])))
+    return rows
+
+def run_bookkeeping_bound_fit(device, rounds:int=16, skip:int=2, bs:int=4, steps:int=6, lr:float=1e-3) -> dict:
+    "The 202-tensor model, SGD without momentum, float16: `to_mixed()` vs fastai's non-native mixed precision, side by side"
+    dls = synthetic_dls(bs=bs, n_train_batches=steps, device=device)
+    common = dict(dls=dls, dtype=torch.float16, lr=lr, steps=steps, opt_func=partial(SGD, mom=0.), device=device)
+    runs = {'FP32': partial(learner_step_times, linear_norm_stack, config='FP32', **common),
+            'to_mixed': partial(learner_step_times, linear_norm_stack, config='to_mixed', **common),
+            'fastai non-native (assert removed)': partial(learner_step_times, linear_norm_stack, config='fastai non-native', **common)}
+    ms = _side_by_side_fits(runs, rounds, skip)
+    return dict(model='Linear+LayerNorm x50 (202 tensors, 13.2M)', bs=bs, steps=steps, skip=skip, rounds=rounds, ms=ms,
+                mixed_vs_nonnative=ms['to_mixed'] / ms['fastai non-native (assert removed)'])

@@ -1,0 +1,35 @@
+"Section 4: host syncs (`item`, `bool`, `float`, `int`, `tolist` on tensors) over a whole `fit`, set-up and validation included."
+from __future__ import annotations
+from functools import partial
+import torch
+from fastai.basics import Learner, CrossEntropyLossFlat, SGD
+from mpcallbacks.all import * # Learner.to_mixed
+from mpcallbacks.digits import digits_dls, digits_cnn
+from .common import count_syncs, quiet, linear_norm_stack, synthetic_dls, n_tensors, to_non_native_fp16_any_device
+
+def fit_syncs(learn:Learner, epochs:int=1) -> int:
+    "Host syncs during `learn.fit(epochs)`"
+    with quiet(learn), count_syncs() as counts: learn.fit(epochs, 1e-3)
+    return sum(counts.values())
+
+def _learner(make_model, dls, config:str) -> Learner:
+    learn = Learner(dls, make_model(), loss_func=CrossEntropyLossFlat(), opt_func=partial(SGD, mom=0.))
+    if config.startswith('to_mixed'): learn.to_mixed(getattr(torch, config.split()[1]))
+    elif config == 'fastai non-native': to_non_native_fp16_any_device(learn, max_loss_scale=2.**16)
+    elif config != 'FP32': raise ValueError(f"Unknown config {config!r}")
+    return learn
+
+def run_syncs(device) -> list:
+    "One row per (model, config): syncs per fit, and the extra ones per training step beyond FP32"
+    cases = {'digits CNN': (digits_cnn, digits_dls(bs=64, device=device)),
+             'Linear+LayerNorm x50': (linear_norm_stack, synthetic_dls(bs=4, n_train_batches=4, device=device))}
+    rows = []
+    for mname,(make_model,dls) in cases.items():
+        steps = len(dls.train)
+        fp32 = fit_syncs(_learner(make_model, dls, 'FP32'))
+        for config in ('FP32', 'to_mixed float16', 'to_mixed bfloat16', 'fastai non-native'):
+            n = fp32 if config == 'FP32' else fit_syncs(_learner(make_model, dls, config))
+            rows.append(dict(model=mname, tensors=n_tensors(make_model()), config=config, train_steps=steps, syncs=n,
+                             extra=n - fp32, extra_per_step=(n - fp32) / steps,
+                             within_budget=n - fp32 <= steps + 2)) # the target: at most one per step, plus two per fit
+    return rows

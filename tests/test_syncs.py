@@ -1,0 +1,67 @@
+"Host syncs (issue 4): over a whole `fit`, `to_mixed()` adds at most one per training step to FP32's, plus at most two per fit."
+from collections import Counter
+from contextlib import contextmanager
+from functools import wraps
+import pytest, torch
+from fastai.basics import Callback
+from conftest import synth_learner
+
+pytestmark = pytest.mark.filterwarnings('ignore:float16 math is emulated')
+
+sync_methods = ('item', '__bool__', '__float__', '__int__', 'tolist') # each copies a device value to the host
+
+@contextmanager
+def count_syncs():
+    "Count calls of `sync_methods` on any tensor while inside (the same wrapping as bench/common.py)"
+    counts = Counter()
+    # Tensor inherits these from the C base class; assigning them on `torch.Tensor` (a Python class) shadows them.
+    originals = {n:torch.Tensor.__dict__.get(n) for n in sync_methods}
+    def counted(name, f):
+        @wraps(f)
+        def _inner(self, *args, **kwargs):
+            counts[name] += 1
+            return f(self, *args, **kwargs)
+        return _inner
+    for n in sync_methods: setattr(torch.Tensor, n, counted(n, getattr(torch.Tensor, n)))
+    try: yield counts
+    finally:
+        for n,f in originals.items():
+            if f is None: delattr(torch.Tensor, n)
+            else: setattr(torch.Tensor, n, f)
+
+def fit_syncs(learn, epochs:int, cbs=None) -> Counter:
+    "Host syncs by method during a whole `learn.fit(epochs)`: set-up, training, validation, clean-up"
+    with count_syncs() as counts: learn.fit(epochs, 1e-3, cbs=cbs)
+    return counts
+
+def extra_syncs(dtype, epochs:int=2, cbs=None) -> tuple: # (syncs beyond FP32's, training steps, both counters)
+    "Syncs of a `to_mixed(dtype)` fit beyond those of the same FP32 fit"
+    fp32 = fit_syncs(synth_learner(), epochs)
+    learn = synth_learner().to_mixed(dtype)
+    mixed = fit_syncs(learn, epochs, cbs)
+    steps = epochs * len(learn.dls.train)
+    return sum(mixed.values()) - sum(fp32.values()),steps,(fp32, mixed)
+
+def within_budget(extra:int, steps:int) -> bool: return extra <= steps + 2 # one per step, two per fit
+
+def test_counter_counts_each_method_once_and_unwraps():
+    t = torch.ones(())
+    with count_syncs() as counts:
+        t.item(); bool(t); float(t); int(t); t.tolist()
+    assert counts == Counter({n:1 for n in sync_methods})
+    assert all(n not in torch.Tensor.__dict__ for n in sync_methods) # the C methods are back
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+def test_to_mixed_adds_at_most_one_sync_per_step(dtype):
+    extra,steps,(fp32, mixed) = extra_syncs(dtype)
+    assert steps == 16 # two epochs of 256 items at bs 32: a fixed cost per fit cannot pass for a per-step one
+    assert within_budget(extra, steps), f"{extra} syncs beyond FP32 over {steps} steps: FP32 {dict(fp32)}, mixed {dict(mixed)}"
+
+class OneMoreSyncPerStep(Callback):
+    "The regression the budget must catch: a second host sync in every optimizer step"
+    def before_step(self): self.loss.item()
+
+def test_budget_catches_a_second_sync_per_step():
+    extra,steps,_ = extra_syncs(torch.float16, cbs=OneMoreSyncPerStep())
+    assert extra >= 2 * steps # so the test above can fail: 32 > 16 + 2
+    assert not within_budget(extra, steps)
