@@ -1,33 +1,11 @@
 "Host syncs (issue 4): over a whole `fit`, `to_mixed()` adds at most one per training step to FP32's, plus at most two per fit."
 from collections import Counter
-from contextlib import contextmanager
-from functools import wraps
 import pytest, torch
+from bench.common import count_syncs, sync_methods # the benchmark's counter: one definition for both
 from fastai.basics import Callback
 from conftest import synth_learner
 
 pytestmark = pytest.mark.filterwarnings('ignore:float16 math is emulated')
-
-sync_methods = ('item', '__bool__', '__float__', '__int__', 'tolist') # each copies a device value to the host
-
-@contextmanager
-def count_syncs():
-    "Count calls of `sync_methods` on any tensor while inside (the same wrapping as bench/common.py)"
-    counts = Counter()
-    # Tensor inherits these from the C base class; assigning them on `torch.Tensor` (a Python class) shadows them.
-    originals = {n:torch.Tensor.__dict__.get(n) for n in sync_methods}
-    def counted(name, f):
-        @wraps(f)
-        def _inner(self, *args, **kwargs):
-            counts[name] += 1
-            return f(self, *args, **kwargs)
-        return _inner
-    for n in sync_methods: setattr(torch.Tensor, n, counted(n, getattr(torch.Tensor, n)))
-    try: yield counts
-    finally:
-        for n,f in originals.items():
-            if f is None: delattr(torch.Tensor, n)
-            else: setattr(torch.Tensor, n, f)
 
 def fit_syncs(learn, epochs:int, cbs=None) -> Counter:
     "Host syncs by method during a whole `learn.fit(epochs)`: set-up, training, validation, clean-up"
