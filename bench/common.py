@@ -19,17 +19,21 @@ def sync(device:torch.device) -> None:
 def median_ms(secs:list) -> float: return 1e3 * statistics.median(secs)
 
 def time_side_by_side(
-    fns:dict, # name -> function of no argument, the work to time
+    fns:dict, # name -> function of no argument, the work to time; or (setup, function): `setup` runs untimed first
     device:torch.device, # Synchronized around each call
     warmup:int=3, # Untimed rounds first (allocations, caches)
     repeats:int=20, # Timed rounds
 ) -> dict: # name -> list of seconds, one per round
     "Time each of `fns` once per round, round after round, so that background load hits them all alike"
+    fns = {k:(f if isinstance(f, tuple) else (None, f)) for k,f in fns.items()}
     for _ in range(warmup):
-        for f in fns.values(): f()
+        for setup,f in fns.values():
+            if setup: setup()
+            f()
     times = {k:[] for k in fns}
     for _ in range(repeats):
-        for k,f in fns.items():
+        for k,(setup,f) in fns.items():
+            if setup: setup()
             sync(device)
             start = time.perf_counter()
             f()
