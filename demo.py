@@ -20,7 +20,7 @@ def run(dtype, epochs=5, lr=1e-2, seed=0):
     trn_loss, val_loss, acc = learn.recorder.values[-1]
     mmp = getattr(learn, 'master_mixed_precision', None)
     return dict(run='FP32' if dtype is None else f'to_mixed({str(dtype).split(".")[1]})', accuracy=acc,
-                valid_loss=val_loss, loss_scale=mmp.loss_scale if mmp else float('nan'), skipped=mmp.skipped if mmp else 0,
+                valid_loss=val_loss, loss_scale=(int(mmp.loss_scale) if mmp.loss_scale.is_integer() else mmp.loss_scale) if mmp else '-', skipped=mmp.skipped if mmp else 0,
                 seconds=secs, param_bytes=nbytes['b'])
 
 if __name__ == '__main__':
