@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
-STAMP := $(VENV)/.installed-$(shell cat requirements-dev.txt pyproject.toml | md5sum | cut -c1-10)
+STAMP := $(VENV)/.installed-$(shell cat requirements-dev.txt constraints.txt pyproject.toml | md5sum | cut -c1-10)
 QUIET_PIP := grep -v '^WARNING: Location' || true
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
@@ -13,8 +13,8 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 $(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
-	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1 2>&1 | $(QUIET_PIP)
-	$(PY) -m pip install -q -r requirements-dev.txt 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q -c constraints.txt torch==2.14.1 torchvision==0.29.1 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q -c constraints.txt -r requirements-dev.txt 2>&1 | $(QUIET_PIP)
 	$(PY) -m pip install -q --no-deps -e . 2>&1 | $(QUIET_PIP)
 	$(PY) -c "import torch, fastai, nbdev, mpcallbacks; print('torch', torch.__version__, 'fastai', fastai.__version__, 'nbdev', nbdev.__version__)"
 	rm -f $(VENV)/.installed-*
