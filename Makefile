@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.installed-$(shell cat requirements-dev.txt constraints.txt pyproject.toml | md5sum | cut -c1-10)
-QUIET_PIP := grep -v '^WARNING: Location' || true
+QUIET_PIP := { grep -v '^WARNING: Location' || true; } # hide this machine's pip notices; pip's own failure still fails (pipefail)
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: install demo test sync-check nbtest pytest bench readme readme-check docs docs-check
