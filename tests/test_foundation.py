@@ -241,6 +241,8 @@ def test_exception_mid_fit_leaves_fp32_model_equal_to_masters(exc):
     (dict(backoff_factor=0.), ValueError, 'backoff_factor must be in (0, 1)'),
     (dict(backoff_factor=1.), ValueError, 'backoff_factor must be in (0, 1)'),
     (dict(growth_interval=0), ValueError, 'growth_interval'),
+    (dict(dtype=torch.bfloat16, backoff_factor=2.), ValueError, 'backoff_factor must be in (0, 1)'), # unused by bfloat16's
+    (dict(loss_scale=64., growth_factor=.5), ValueError, 'growth_factor must be > 1'),               # and a static scale
     (dict(init_scale=0.), ValueError, 'positive finite'),
 ])
 def test_bad_arguments_fail_at_to_mixed(kwargs, err, msg):
