@@ -1,9 +1,7 @@
 "Shared pieces of the benchmark: device sync and side-by-side timing, batch timers, sync counting, the models, fastai's comparators."
 from __future__ import annotations
 import time, warnings, statistics
-from collections import Counter
 from contextlib import contextmanager
-from functools import wraps
 import torch
 from torch import nn
 from fastai.basics import Learner, Callback, DataLoaders, CrossEntropyLossFlat
@@ -71,28 +69,7 @@ def quiet(learn:Learner):
         warnings.simplefilter('ignore')
         yield
 
-# ---- host syncs
-
-sync_methods = ('item', '__bool__', '__float__', '__int__', 'tolist') # each copies a device value to the host
-
-@contextmanager
-def count_syncs():
-    "Count calls of `sync_methods` on any tensor while inside; yields a `Counter` by method name"
-    counts = Counter()
-    # Tensor inherits these from the C base class; assigning them on `torch.Tensor` (a Python class) shadows them.
-    originals = {n:torch.Tensor.__dict__.get(n) for n in sync_methods}
-    def counted(name, f):
-        @wraps(f)
-        def _inner(self, *args, **kwargs):
-            counts[name] += 1
-            return f(self, *args, **kwargs)
-        return _inner
-    for n in sync_methods: setattr(torch.Tensor, n, counted(n, getattr(torch.Tensor, n)))
-    try: yield counts
-    finally:
-        for n,f in originals.items():
-            if f is None: delattr(torch.Tensor, n)
-            else: setattr(torch.Tensor, n, f)
+# ---- host syncs: `mpcallbacks.test_utils.count_syncs`, shared with the tests
 
 # ---- models and data
 

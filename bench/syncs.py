@@ -5,7 +5,8 @@ import torch
 from fastai.basics import Learner, CrossEntropyLossFlat, SGD
 from mpcallbacks.all import * # Learner.to_mixed
 from mpcallbacks.digits import digits_dls, digits_cnn
-from .common import count_syncs, quiet, linear_norm_stack, synthetic_dls, n_tensors, to_non_native_fp16_any_device
+from mpcallbacks.test_utils import count_syncs
+from .common import quiet, linear_norm_stack, synthetic_dls, n_tensors, to_non_native_fp16_any_device
 
 def fit_syncs(learn:Learner, epochs:int=1) -> int:
     "Host syncs during `learn.fit(epochs)`"

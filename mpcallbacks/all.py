@@ -1,4 +1,6 @@
 from .cast import *
 from .scaler import *
 from .master import *
+from .distributed import *
 from .callback import *
+from .learner import *

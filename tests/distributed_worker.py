@@ -20,7 +20,7 @@ from fastai.callback.progress import ProgressCallback
 from fastai.callback.training import GradientAccumulation
 from mpcallbacks.all import *
 from mpcallbacks.scaler import LossScaler
-from conftest import synth_model, opt_params, InjectNonFinite
+from mpcallbacks.test_utils import synth_model, opt_params, InjectNonFinite
 
 # ---- the CPU recipe: what fastai's `DistributedTrainer` does, without accelerate, CUDA or NCCL
 
@@ -39,7 +39,7 @@ def rank_share(items, bs, rank, world):
     return [items[i] for k in range(0, len(items) - len(items)%g, g) for i in range(k + rank*bs, k + (rank+1)*bs)]
 
 def synth_items(n, seed=0):
-    "The two-class problem of conftest's `synth_dls`"
+    "The two-class problem of `mpcallbacks.test_utils.synth_dls`"
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 1, 8, 8, generator=gen)
     return list(zip(x, (x[:, 0, :4].mean((1, 2)) > 0).long()))

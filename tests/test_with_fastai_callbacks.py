@@ -10,8 +10,9 @@ from fastai.callback.training import GradientClip, GradientAccumulation, BnFreez
 from fastai.callback.mixup import MixUp, CutMix
 from fastai.callback.tracker import SaveModelCallback, EarlyStoppingCallback
 import fastai.callback.schedule # fit_one_cycle, fine_tune, lr_find
-from mpcallbacks.callback import MasterMixedPrecision, _warned
-from conftest import synth_learner, synth_dls, opt_params, InjectNonFinite
+from mpcallbacks.callback import MasterMixedPrecision
+from mpcallbacks.cast import _warned
+from mpcallbacks.test_utils import synth_learner, synth_dls, opt_params, InjectNonFinite
 
 def fp32_of(learn): return [p.detach().clone() for p in learn.model.parameters()]
 
@@ -21,28 +22,26 @@ def two_group_learner(**kw):
     return synth_learner(splitter=lambda m: [list(m[:2].parameters()), list(m[2:].parameters())], **kw)
 
 class Watch(Callback):
-    "Record, each epoch, which parameters have masters and each group's learning rate"
+    "Record, each epoch, which masters the optimizer steps on (they have an FP32 gradient) and each group's learning rate"
     order = MasterMixedPrecision.order + 1
     def __init__(self): self.epochs = []
-    def after_batch(self):
-        if not (self.training and self.iter == 0): return # hypers are set by then (ParamScheduler, at before_batch)
-        mmp = self.learn.master_mixed_precision
-        ids = {id(m) for m in mmp._masters.masters}
-        self.epochs.append(dict(has_master=[id(p) in ids for p in opt_params(self.learn) if p.dtype == torch.float32 and p.dim() > 1],
+    def before_step(self):
+        if self.iter != 0: return # hypers are set by then (ParamScheduler, at before_batch)
+        self.epochs.append(dict(stepped=[p.grad is not None for p in opt_params(self.learn) if p.dim() > 1],
                                 lrs=[h['lr'] for h in self.opt.hypers]))
 
-def test_fine_tune_frozen_params_get_no_masters_and_stay_bit_identical():
+def test_fine_tune_frozen_params_are_not_stepped_and_stay_bit_identical():
     learn = two_group_learner().to_mixed()
     body0 = [p.detach().clone() for p in learn.model[0].parameters()]
     watch = Watch()
     class CheckFrozen(Callback):
         def after_epoch(self):
             if self.epoch == 0 and len(watch.epochs) == 1: # the frozen epoch of fine_tune
-                assert all(torch.equal(a, b.detach()) for a, b in zip(body0, self.learn.master_mixed_precision._fp32_list[:2]))
+                assert all(torch.equal(a, b.detach()) for a, b in zip(body0, list(self.learn.parameters())[:2]))
     learn.fine_tune(2, 1e-2, freeze_epochs=1, cbs=[watch, CheckFrozen()])
     frozen, unfrozen = watch.epochs[0], watch.epochs[1]
-    assert frozen['has_master'] == [False, True]   # conv weight frozen: no master; linear weight trains
-    assert unfrozen['has_master'] == [True, True]
+    assert frozen['stepped'] == [False, True]   # conv weight frozen: no gradient, not stepped; linear weight trains
+    assert unfrozen['stepped'] == [True, True]
     assert unfrozen['lrs'][0] < unfrozen['lrs'][1] # fine_tune's slice(base_lr/lr_mult, base_lr) survives
     assert not torch.equal(body0[0], learn.model[0].weight.detach()) # after unfreeze the body trained
 

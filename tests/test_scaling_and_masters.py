@@ -1,4 +1,4 @@
-"The foundation issue's behaviour: dtypes, masters, scaling, skipping, restoring, errors."
+"Scaling and masters: the scale's trajectory, underflow, master accumulation, skipping, dtypes, arguments."
 import re
 from collections import defaultdict
 from functools import partial
@@ -9,7 +9,7 @@ from fastai.basics import (Learner, Callback, DataLoaders, CancelFitException, C
                            accuracy, set_seed, SGD, Adam, OptimWrapper)
 import fastai.callback.schedule # fit_one_cycle
 from mpcallbacks.callback import MasterMixedPrecision
-from conftest import synth_learner, synth_dls, opt_params, InjectNonFinite
+from mpcallbacks.test_utils import synth_learner, synth_dls, opt_params, InjectNonFinite
 
 # ---- the scaler against torch.amp.GradScaler, through a real fit
 
@@ -207,23 +207,6 @@ def test_second_fit_continues_with_scaler_state():
     assert learn.master_mixed_precision.loss_scale == 2.**7 * 2**3 and learn.master_mixed_precision.scaler.growth_tracker == 0
     assert len(learn.master_mixed_precision.scaler.history) == 16
 
-@pytest.mark.parametrize('exc', [RuntimeError('boom'), KeyboardInterrupt(), CancelFitException()], ids=['RuntimeError', 'KeyboardInterrupt', 'CancelFitException'])
-def test_exception_mid_fit_leaves_fp32_model_equal_to_masters(exc):
-    learn = synth_learner().to_mixed()
-    learn.create_opt()
-    masters = opt_params(learn)
-    class Raise(Callback):
-        def after_step(self):
-            if self.iter == 3: raise exc
-    try: learn.fit(1, 1e-2, cbs=Raise())
-    except (RuntimeError, KeyboardInterrupt): pass
-    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
-    assert all(a is b for a, b in zip(learn.model.parameters(), masters)) # the masters themselves, never rounded
-    assert 'parameters' not in learn.__dict__ and '_mixed_to_restore' not in learn.__dict__
-    assert all(len(learn.opt.state[p]) > 0 for p in masters) # the steps taken kept their state
-    learn.fit(1, 1e-2) # and a second fit goes on
-    assert learn.master_mixed_precision.skipped == 0
-
 # ---- errors and idempotence
 
 @pytest.mark.parametrize('kwargs,err,msg', [
@@ -267,14 +250,3 @@ def test_loss_scale_defaults_by_dtype():
     assert not learn.master_mixed_precision.scaler.dynamic
     assert learn.to_mixed(torch.bfloat16, loss_scale='dynamic').master_mixed_precision.scaler.dynamic
     assert isinstance(learn.master_mixed_precision.loss_scale, float) and isinstance(learn.master_mixed_precision.skipped, int)
-
-@pytest.mark.parametrize('fastai_first', [True, False])
-def test_combining_with_fastai_fp16_fails_clearly(fastai_first):
-    learn = synth_learner()
-    if fastai_first:
-        learn.to_fp16()
-        with pytest.raises(ValueError, match='to_fp32'): learn.to_mixed()
-    else:
-        learn.to_mixed().to_bf16()
-        with pytest.raises(ValueError, match='to_fp32'): learn.fit(1)
-        assert {p.dtype for p in learn.model.parameters()} == {torch.float32}

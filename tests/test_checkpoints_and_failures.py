@@ -9,8 +9,8 @@ from fastai.callback.progress import ProgressCallback
 from fastai.callback.tracker import SaveModelCallback
 import fastai.callback.schedule # fit_one_cycle
 from mpcallbacks.callback import MasterMixedPrecision, NonFiniteGradients
-from conftest import synth_learner, synth_dls, synth_model, opt_params, InjectNonFinite
-from test_composition import assert_same_state
+from mpcallbacks.test_utils import synth_learner, synth_dls, synth_model, opt_params, InjectNonFinite
+from test_with_fastai_callbacks import assert_same_state
 
 def weights(learn): return [p.detach().clone() for p in learn.model.parameters()]
 def not_16bit_exact(ts): return any(not torch.equal(t, t.half().float()) for t in ts) # a tensor no 16-bit copy could give back
@@ -23,7 +23,7 @@ def test_save_during_and_after_fit_stores_fp32_masters(tmp_path, with_opt):
     at_epoch_end = []
     class Keep(Callback):
         order = SaveModelCallback.order + 1
-        def after_epoch(self): at_epoch_end.append([p.detach().clone() for p in self.learn.master_mixed_precision._fp32_list])
+        def after_epoch(self): at_epoch_end.append([p.detach().clone() for p in self.learn.parameters()])
     learn.fit(2, 1e-2, cbs=[SaveModelCallback(every_epoch=True, with_opt=with_opt, fname='ep'), Keep(), InjectNonFinite(at=[0])])
     for epoch, masters in enumerate(at_epoch_end):
         with torch.serialization.safe_globals([L]): sd = torch.load(tmp_path/'models'/f'ep_{epoch}.pth', weights_only=True) # fastai's hypers are L
@@ -105,7 +105,7 @@ def test_resume_is_bit_identical(tmp_path, how):
 # ---- export: an FP32 learner that predicts anywhere
 
 def test_export_gives_fp32_learner_without_callback(tmp_path):
-    from test_composition import digits_block_learner # export needs fastai Datasets (`new_empty`)
+    from test_with_fastai_callbacks import digits_block_learner # export needs fastai Datasets (`new_empty`)
     learn = digits_block_learner().to_mixed()
     learn.path = tmp_path
     exported_mid_fit = []
@@ -115,7 +115,7 @@ def test_export_gives_fp32_learner_without_callback(tmp_path):
         def after_epoch(self):
             if self.epoch == 0 and not self.done:
                 self.done = True
-                self.learn.export('mid.pkl'); exported_mid_fit.append([p.detach().clone() for p in self.learn.master_mixed_precision._fp32_list])
+                self.learn.export('mid.pkl'); exported_mid_fit.append([p.detach().clone() for p in self.learn.parameters()])
     learn.fit(2, 1e-2, cbs=ExportMidFit())
     learn.export('end.pkl')
     assert isinstance(learn.master_mixed_precision, MasterMixedPrecision) # the exporting learner keeps it
@@ -124,7 +124,7 @@ def test_export_gives_fp32_learner_without_callback(tmp_path):
         tensors = list(loaded.model.state_dict().values())
         assert {t.dtype for t in tensors if t.is_floating_point()} == {torch.float32}
         assert not any(isinstance(c, MasterMixedPrecision) for c in loaded.cbs)
-        assert '_mixed_to_restore' not in loaded.__dict__ and 'parameters' not in loaded.__dict__
+        assert 'parameters' not in loaded.__dict__
         assert all(torch.equal(a, b.detach()) for a, b in zip(expect, loaded.model.parameters()))
         preds, _ = loaded.get_preds(dl=learn.dls.valid)
         assert preds.dtype == torch.float32
@@ -153,9 +153,8 @@ def test_exception_at_any_event(event, exc):
     except (RuntimeError, KeyboardInterrupt, CancelFitException): pass
     assert all(a is b for a, b in zip(learn.model.parameters(), masters)) # the FP32 masters themselves are in the model
     assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
-    assert not any(k in learn.__dict__ for k in ('parameters', '_mixed_to_restore', '_mixed_error'))
-    mmp = learn.master_mixed_precision
-    assert mmp._cast is None and mmp._depth == 0 and mmp._grad_state is None
+    assert 'parameters' not in learn.__dict__
+    assert learn.master_mixed_precision.fit_state is None
     assert all(torch.isfinite(p).all() for p in masters)
     learn.fit(1, 1e-2) # the optimizer is consistent: a second fit trains
     assert {p.dtype for p in learn.model.parameters()} == {torch.float32}

@@ -1,9 +1,8 @@
 "Host syncs (issue 4): over a whole `fit`, `to_mixed()` adds at most one per training step to FP32's, plus at most two per fit."
 from collections import Counter
 import pytest, torch
-from bench.common import count_syncs, sync_methods # the benchmark's counter: one definition for both
 from fastai.basics import Callback
-from conftest import synth_learner
+from mpcallbacks.test_utils import synth_learner, count_syncs, sync_methods # the benchmark's counter too
 
 pytestmark = pytest.mark.filterwarnings('ignore:float16 math is emulated')
 

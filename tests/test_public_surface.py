@@ -1,0 +1,47 @@
+"The public surface: what users import and call keeps its names, arguments and meaning across the refactors."
+import inspect, subprocess, sys
+import pytest, torch
+from fastai.basics import Learner
+from mpcallbacks.test_utils import synth_learner
+
+def test_star_imports_leave_fastais_norm_types_alone():
+    code = ("import fastai.basics as fb\nfrom fastai.basics import *\nfrom mpcallbacks.all import *\n"
+            "assert norm_types is fb.norm_types, norm_types\nassert nn.LayerNorm in norm_types\nprint('ok')")
+    out = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True)
+    assert out.stdout.strip() == 'ok', out.stderr
+
+@pytest.mark.parametrize('module,names', [
+    ('mpcallbacks.callback', ['MasterMixedPrecision', 'OptimizerWithScaler', 'make_scaler', 'as_16bit_dtype', 'warn_if_slow']),
+    ('mpcallbacks.cast', ['cast_model', 'ModelCast', 'keeps_fp32', 'norm_types', 'mixed_input_types', 'always_fp32']),
+    ('mpcallbacks.scaler', ['LossScaler', 'NonFiniteGradients', 'make_scaler']),
+    ('mpcallbacks.master', ['MasterParams', 'GradPhase', 'GradPhaseError']),
+    ('mpcallbacks.all', ['MasterMixedPrecision', 'LossScaler', 'cast_model', 'MasterParams', 'OptimizerWithScaler', 'RankAgreement']),
+])
+def test_old_and_new_names_import(module, names):
+    code = f"from {module} import {', '.join(names)}"
+    if module in ('mpcallbacks.callback', 'mpcallbacks.all'): # the callback brings `Learner.to_mixed` with it
+        code += "\nfrom fastai.basics import Learner\nassert hasattr(Learner, 'to_mixed')"
+    out = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+scaler_args = ['init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'min_scale', 'max_consecutive_skips']
+
+def test_scaler_arguments_are_declared_once_and_reach_to_mixed_with_their_docs():
+    from fastcore.docments import docments
+    from mpcallbacks.callback import MasterMixedPrecision
+    from mpcallbacks.scaler import LossScaler
+    for f in (Learner.to_mixed, MasterMixedPrecision, LossScaler.from_loss_scale):
+        params = inspect.signature(f).parameters
+        assert all(a in params for a in scaler_args), f
+        for a in scaler_args: assert params[a].default == inspect.signature(LossScaler).parameters[a].default, (f, a)
+    docs = docments(Learner.to_mixed, full=True)
+    assert all(docs[a]['docment'] == docments(LossScaler, full=True)[a]['docment'] for a in scaler_args)
+    assert {'dtype', 'loss_scale', 'keep_fp32', 'check_drift'} <= set(inspect.signature(Learner.to_mixed).parameters)
+
+def test_to_mixed_keeps_its_keyword_arguments_and_readouts():
+    learn = synth_learner().to_mixed(torch.bfloat16, loss_scale='dynamic', init_scale=2.**10, growth_factor=2., backoff_factor=.5,
+                                      growth_interval=7, min_scale=2., max_consecutive_skips=30, keep_fp32=(), check_drift=True)
+    mmp = learn.master_mixed_precision
+    assert (mmp.loss_scale, mmp.skipped, mmp.scaler.growth_interval, mmp.scaler.min_scale) == (2.**10, 0, 7, 2.)
+    learn.fit(1, 1e-2)
+    assert callable(mmp.plot_loss_scale) and isinstance(mmp.loss_scale, float)
