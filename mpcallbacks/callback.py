@@ -77,13 +77,14 @@ def fp32(self:MixedFit):
         self.cast.recast()
         self._show_fp32_parameters()
 
+# %% ../nbs/03_callback.ipynb #7dea8241
 @patch
 def close(self:MixedFit) -> None:
     "Put the FP32 model back for good, equal to the masters"
     self._hide_fp32_parameters()
     self.cast.restore()
 
-# %% ../nbs/03_callback.ipynb #8c7ebe1d
+# %% ../nbs/03_callback.ipynb #d2bdca59
 class MasterMixedPrecision(Callback):
     "Mixed precision with a 16-bit model, FP32 master weights in the optimizer, and a loss scaler"
     order = MixedPrecision.order # 10: before GradientClip (11) and before DistributedTrainer (11) wraps the model
@@ -109,7 +110,7 @@ class MasterMixedPrecision(Callback):
     def skipped(self) -> int: return self.scaler.skipped # Steps skipped for inf/NaN gradients, over the learner's life
     def __repr__(self): return f"{type(self).__name__}({self.dtype}, {self.scaler})"
 
-# %% ../nbs/03_callback.ipynb #96230198
+# %% ../nbs/03_callback.ipynb #6f4342fd
 @patch
 def before_fit(self:MasterMixedPrecision):
     "Cast the model to 16 bits; each copy's FP32 original, in the optimizer, is its master (inside a fit: nothing)"
@@ -120,13 +121,13 @@ def before_fit(self:MasterMixedPrecision):
     self.fit_state = MixedFit(self.learn, self.dtype, self.keep)
     warn_if_slow(self.dtype, self.fit_state.cast.device)
 
-# %% ../nbs/03_callback.ipynb #11606feb
+# %% ../nbs/03_callback.ipynb #269a9c08
 @patch
 def before_train(self:MasterMixedPrecision):
     "Follow `freeze`/`unfreeze` and optimizer changes made between epochs; under DDP, start from rank 0's masters"
     if self.fit_state is not None: self.fit_state.start_training()
 
-# %% ../nbs/03_callback.ipynb #72a46b8b
+# %% ../nbs/03_callback.ipynb #69a3aa6b
 @patch
 def after_fit(self:MasterMixedPrecision):
     "Put the FP32 model back, equal to the masters (inside a fit: nothing)"
@@ -134,26 +135,26 @@ def after_fit(self:MasterMixedPrecision):
     if fit.nested: fit.nested -= 1
     else: self.end_fit()
 
-# %% ../nbs/03_callback.ipynb #4d37c2b1
+# %% ../nbs/03_callback.ipynb #2bda7182
 @patch
 def end_fit(self:MasterMixedPrecision) -> None:
     "Put the FP32 model back, equal to the masters, and drop all the fit held; safe to call twice"
     fit,self.fit_state = self.fit_state,None
     if fit is not None: fit.close()
 
-# %% ../nbs/03_callback.ipynb #f4772750
+# %% ../nbs/03_callback.ipynb #1965da9c
 @patch
 def after_pred(self:MasterMixedPrecision):
     "Hand FP32 predictions to the loss function"
     if self.fit_state is not None: self.learn.pred = to_float(self.pred)
 
-# %% ../nbs/03_callback.ipynb #d68fd1e2
+# %% ../nbs/03_callback.ipynb #c5b7597b
 @patch
 def before_backward(self:MasterMixedPrecision):
     "Multiply the loss by the scale"
     if self.fit_state is not None: self.learn.loss_grad = self.scaler.scale_loss(self.loss_grad)
 
-# %% ../nbs/03_callback.ipynb #966b3c9a
+# %% ../nbs/03_callback.ipynb #316c20f9
 @patch
 def after_backward(self:MasterMixedPrecision):
     "Note the backward pass in the gradient lifecycle, and whether DDP all-reduced it"
@@ -161,7 +162,7 @@ def after_backward(self:MasterMixedPrecision):
     fit.masters.backward()
     fit.ranks.after_backward(self.learn.model)
 
-# %% ../nbs/03_callback.ipynb #91116315
+# %% ../nbs/03_callback.ipynb #76c47f63
 @patch
 def before_step(self:MasterMixedPrecision):
     "Move the gradients into the masters, unscale and check them in one pass, read the verdict: skip the step on inf/NaN"
@@ -176,13 +177,13 @@ def before_step(self:MasterMixedPrecision):
         raise CancelFitException() from e
     raise CancelStepException()
 
-# %% ../nbs/03_callback.ipynb #143919fa
+# %% ../nbs/03_callback.ipynb #d4e94b83
 @patch
 def after_cancel_step(self:MasterMixedPrecision):
     "Drop the gradients of a step another callback cancelled, as fastai's `zero_grad` does"
     if (fit := self.fit_state) is not None and fit.masters.phase is GradPhase.UNSCALED: fit.masters.skip()
 
-# %% ../nbs/03_callback.ipynb #185d48fd
+# %% ../nbs/03_callback.ipynb #c8038a09
 @patch
 def after_step(self:MasterMixedPrecision):
     "After a step the optimizer took: count it for the scale's growth, copy the stepped masters into the 16-bit weights"
@@ -191,13 +192,13 @@ def after_step(self:MasterMixedPrecision):
     fit.masters.stepped()
     if self.check_drift: self._check_drift()
 
-# %% ../nbs/03_callback.ipynb #2e61d736
+# %% ../nbs/03_callback.ipynb #51bf657e
 @patch
 def after_cancel_batch(self:MasterMixedPrecision):
     "Keep a postponed batch's gradients, scaled, in FP32 for the next step (gradient accumulation)"
     if (fit := self.fit_state) is not None: fit.masters.cancel(self.scaler.scale, keep_in_model=fit.ranks.leave_to_ddp())
 
-# %% ../nbs/03_callback.ipynb #960f91ac
+# %% ../nbs/03_callback.ipynb #f3059d4c
 @patch
 def _check_drift(self:MasterMixedPrecision):
     "Raise if a 16-bit weight differs from its master cast to 16 bits"
@@ -206,14 +207,14 @@ def _check_drift(self:MasterMixedPrecision):
     if n: raise RuntimeError(f"{n} 16-bit weight tensor(s) differ from their FP32 masters cast to {self.dtype}: "
                              "something wrote to the 16-bit model instead of the masters (the optimizer's parameters).")
 
-# %% ../nbs/03_callback.ipynb #f0d1f013
+# %% ../nbs/03_callback.ipynb #dd3026f7
 @patch
 @contextmanager
 def fp32_model(self:MasterMixedPrecision):
     "Within this context the model holds its FP32 parameters, even in the middle of a fit"
     with (self.fit_state.fp32() if self.fit_state is not None else nullcontext()): yield
 
-# %% ../nbs/03_callback.ipynb #03556b47
+# %% ../nbs/03_callback.ipynb #c9a5d896
 @patch
 def plot_loss_scale(self:MasterMixedPrecision,
     ax=None, # Matplotlib axes to draw on; a new figure if None
@@ -229,7 +230,7 @@ def plot_loss_scale(self:MasterMixedPrecision,
     ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
     return ax
 
-# %% ../nbs/03_callback.ipynb #5a723e64
+# %% ../nbs/03_callback.ipynb #735ded01
 from mpcallbacks import learner as _learner # noqa: F401 (`Learner.to_mixed` and the guards)
 from mpcallbacks.scaler import make_scaler # noqa: F401
 

@@ -82,12 +82,13 @@ class CastSlot(NamedTuple):
     copy:Tensor # The 16-bit copy the model holds while cast
     original:Tensor # The FP32 tensor the model holds otherwise
 
+# %% ../nbs/00_cast.ipynb #01d4209d
 class CastPair(NamedTuple):
     "A 16-bit copy and its FP32 original (the master), once per tensor however many slots it fills"
     copy:Tensor # The 16-bit parameter
     original:Tensor # Its FP32 original
 
-# %% ../nbs/00_cast.ipynb #41115edb
+# %% ../nbs/00_cast.ipynb #d93147cd
 def _is_16bit(t:Tensor) -> bool: return t.dtype in (torch.float16, torch.bfloat16)
 def _qual(prefix, name): return f'{prefix}.{name}' if prefix else name
 
@@ -110,7 +111,7 @@ def _cast_plan(model, keep) -> tuple:
              for n,p in m._parameters.items() if p is not None and p.is_floating_point() and id(p) not in kept]
     return kept_tops,slots
 
-# %% ../nbs/00_cast.ipynb #e98eac1a
+# %% ../nbs/00_cast.ipynb #a3abb87a
 def check_castable(
     model:nn.Module, # The model to train in mixed precision
     keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
@@ -125,7 +126,7 @@ def check_castable(
     if not _cast_plan(model, keep)[1]:
         raise ValueError("No parameter to cast: every floating-point layer is kept in FP32 (see `keep_fp32`).")
 
-# %% ../nbs/00_cast.ipynb #fcecca7a
+# %% ../nbs/00_cast.ipynb #a1aa43a2
 @dataclass
 class ModelCast:
     "Record of a model's tensors swapped for 16-bit copies: `uncast`, `recast` or `restore` them"
@@ -147,7 +148,7 @@ class ModelCast:
         "The device of the cast model (of its first cast tensor, for a model spread over several)"
         return (self.params or self.buffers)[0].copy.device
 
-# %% ../nbs/00_cast.ipynb #2b22c366
+# %% ../nbs/00_cast.ipynb #05f3e863
 @patch
 def _put(self:ModelCast, side:str) -> None:
     "Put the `side` ('copy' or 'original') of every slot into its module, all or none"
@@ -172,6 +173,7 @@ def copies_differ(self:ModelCast,
     dev = slots[0].copy.device # one sync, also for a model spread over several devices
     return torch.stack([(s.copy != s.original.to(s.copy.dtype)).any().to(dev) for s in slots]).tolist()
 
+# %% ../nbs/00_cast.ipynb #1b7702e9
 @patch
 def sync_copies(self:ModelCast) -> None:
     "Copy the originals' values into the 16-bit copies (parameters and buffers)"
@@ -179,7 +181,7 @@ def sync_copies(self:ModelCast) -> None:
         for ts in (self.pairs, self.buffers):
             if ts: torch._foreach_copy_([s.copy for s in ts], [s.original for s in ts])
 
-# %% ../nbs/00_cast.ipynb #932b1dbc
+# %% ../nbs/00_cast.ipynb #18b6e72d
 @patch
 def uncast(self:ModelCast) -> None:
     "Put the FP32 originals in the model; buffers that training changed give their new value to the originals"
@@ -192,6 +194,7 @@ def uncast(self:ModelCast) -> None:
     for h in self.hooks: h.remove()
     self.hooks,self.cast = [],False
 
+# %% ../nbs/00_cast.ipynb #8b4dd3f3
 @patch
 def recast(self:ModelCast) -> None:
     "Copy the originals' values into the 16-bit copies and put those in the model again"
@@ -200,13 +203,14 @@ def recast(self:ModelCast) -> None:
     self._put('copy')
     self.hooks,self.cast = _hook_dtypes(self.model, self.dtype, self.kept),True
 
+# %% ../nbs/00_cast.ipynb #12a6ff1a
 @patch
 def restore(self:ModelCast) -> None:
     "Put the FP32 originals back for good, without the hooks"
     self.uncast()
     self.params,self.buffers,self.kept,self.model = [],[],[],None
 
-# %% ../nbs/00_cast.ipynb #4074dfd8
+# %% ../nbs/00_cast.ipynb #ed0ff760
 def _to(x, dtype):
     "`x` with its floating-point tensors (in tuples, lists and dicts too) cast to `dtype`"
     if isinstance(x, Tensor): return x.to(dtype) if x.is_floating_point() else x
@@ -224,7 +228,7 @@ def _hook_dtypes(model, dtype, kept_tops) -> list:
         hooks += [m.register_forward_pre_hook(in_32, with_kwargs=True), m.register_forward_hook(out_16)]
     return hooks
 
-# %% ../nbs/00_cast.ipynb #419baddf
+# %% ../nbs/00_cast.ipynb #a02105d2
 def cast_model(
     model:nn.Module, # The FP32 model to cast
     dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`

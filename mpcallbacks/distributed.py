@@ -20,11 +20,12 @@ def world_size() -> int:
     "The number of ranks (1 outside `torch.distributed`)"
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
+# %% ../nbs/06_data_parallel.ipynb #708211c3
 def ddp_wrapped(model) -> bool:
     "Whether `model` is wrapped by `DistributedDataParallel`"
     return isinstance(model, DistributedDataParallel)
 
-# %% ../nbs/06_data_parallel.ipynb #8fe72926
+# %% ../nbs/06_data_parallel.ipynb #5e4238e7
 class RankAgreement:
     "What the ranks of one data-parallel fit agree on: the masters at the start, the overflow verdict, `no_sync` gradients"
     def __init__(self):
@@ -34,10 +35,10 @@ class RankAgreement:
 
     def __repr__(self): return f"{type(self).__name__}(masters_synced={self.masters_synced}, grads_may_differ={self.grads_may_differ})"
 
-# %% ../nbs/06_data_parallel.ipynb #c5d03099
+# %% ../nbs/06_data_parallel.ipynb #c6e77967
 def _ddp_synced(model) -> bool: return ddp_wrapped(model) and model.require_backward_grad_sync
 
-# %% ../nbs/06_data_parallel.ipynb #7d078a4f
+# %% ../nbs/06_data_parallel.ipynb #6f3df11e
 @patch
 def start_training(self:RankAgreement,
     model, # `learn.model`: DDP wraps it after `before_fit`
@@ -50,7 +51,7 @@ def start_training(self:RankAgreement,
     cast.sync_copies()
     self.masters_synced = True
 
-# %% ../nbs/06_data_parallel.ipynb #20237284
+# %% ../nbs/06_data_parallel.ipynb #26f1fa2f
 @patch
 def after_backward(self:RankAgreement,
     model, # `learn.model`
@@ -61,12 +62,13 @@ def after_backward(self:RankAgreement,
     self.grads_may_differ |= not synced
     self.last_backward_unsynced = ddp_wrapped(model) and not synced
 
+# %% ../nbs/06_data_parallel.ipynb #79bc3d20
 @patch
 def leave_to_ddp(self:RankAgreement) -> bool: # Whether the gradients must stay in the model's parameters
     "Question 3: were the last backward's gradients accumulated under `no_sync()`, for DDP to all-reduce later?"
     return self.last_backward_unsynced
 
-# %% ../nbs/06_data_parallel.ipynb #0f8e2929
+# %% ../nbs/06_data_parallel.ipynb #a28a1901
 @patch
 def agree(self:RankAgreement,
     found_inf:torch.Tensor|None, # This rank's inf/NaN flag, or None if it had no gradient

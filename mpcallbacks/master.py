@@ -22,10 +22,11 @@ class GradPhase(Enum):
     SCALED = 'scaled gradients, not unscaled yet'
     UNSCALED = 'gradients unscaled and checked'
 
+# %% ../nbs/02_master.ipynb #b88aa9fb
 class GradPhaseError(RuntimeError):
     "A step of the gradient lifecycle called out of turn"
 
-# %% ../nbs/02_master.ipynb #c07c21b5
+# %% ../nbs/02_master.ipynb #72677a1b
 class MasterParams:
     "FP32 master weights for 16-bit parameters: gradients in, weights out"
     def __init__(self,
@@ -40,7 +41,7 @@ class MasterParams:
     def __len__(self): return len(self.masters)
     def __repr__(self): return f"{type(self).__name__}({len(self)} masters, {len(self.fp32_params)} FP32 params)"
 
-# %% ../nbs/02_master.ipynb #38133efb
+# %% ../nbs/02_master.ipynb #00bc4f02
 @patch
 def grads_to_masters(self:MasterParams,
     accumulate:bool=False, # Add to the masters' gradients instead of overwriting them
@@ -62,7 +63,7 @@ def grads_to_masters(self:MasterParams,
     # optimizer's `zero_grad` left: the optimizer steps on those too, so they are unscaled and checked with the rest.
     return [m.grad for m in self.masters if m.grad is not None] + [p.grad for p in self.fp32_params if p.grad is not None]
 
-# %% ../nbs/02_master.ipynb #07650f50
+# %% ../nbs/02_master.ipynb #7b6c67b0
 @patch
 def masters_to_model(self:MasterParams) -> None:
     "Copy the FP32 masters the optimizer can have stepped (those with a gradient) into their 16-bit parameters"
@@ -71,7 +72,7 @@ def masters_to_model(self:MasterParams) -> None:
     if pairs:
         with torch.no_grad(): torch._foreach_copy_(*[list(t) for t in zip(*pairs)])
 
-# %% ../nbs/02_master.ipynb #95dd6cf3
+# %% ../nbs/02_master.ipynb #7be27220
 @patch
 def backward(self:MasterParams) -> None:
     "Note a backward pass: its gradients, scaled, join the window's"
@@ -80,7 +81,7 @@ def backward(self:MasterParams) -> None:
                              "would be added to unscaled ones. Call cancel() first to scale the window back.")
     self.phase = GradPhase.SCALED
 
-# %% ../nbs/02_master.ipynb #155817c6
+# %% ../nbs/02_master.ipynb #eb767325
 @patch
 def unscale_(self:MasterParams,
     unscale:Callable, # Unscales a list of FP32 gradients in place and returns an inf/NaN flag (`LossScaler.unscale_`)
@@ -93,7 +94,7 @@ def unscale_(self:MasterParams,
     self._in_masters,self.phase = True,GradPhase.UNSCALED
     return unscale(self._grads)
 
-# %% ../nbs/02_master.ipynb #e9096902
+# %% ../nbs/02_master.ipynb #180aaa19
 @patch
 def _close_window(self:MasterParams) -> None:
     self._in_masters,self._grads,self.phase = False,[],GradPhase.EMPTY
@@ -107,6 +108,7 @@ def stepped(self:MasterParams) -> None:
     self.masters_to_model()
     self._close_window()
 
+# %% ../nbs/02_master.ipynb #6756e1be
 @patch
 def skip(self:MasterParams) -> None:
     "Drop the window's gradients: nothing is stepped"
@@ -114,6 +116,7 @@ def skip(self:MasterParams) -> None:
     for p in self.model_params + self.masters + self.fp32_params: p.grad = None
     self._close_window()
 
+# %% ../nbs/02_master.ipynb #f2e53194
 @patch
 def cancel(self:MasterParams,
     scale:float, # The loss scale the window's gradients carry

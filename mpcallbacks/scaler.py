@@ -101,6 +101,7 @@ def scale_loss(self:LossScaler,
     "`loss` times the scale (the loss itself when the scale is 1)"
     return loss if self.scale == 1. else loss * self.scale
 
+# %% ../nbs/01_scaler.ipynb #dfaad96b
 @patch
 def unscale_(self:LossScaler,
     grads:list, # FP32 gradients, divided by the scale in place
@@ -118,7 +119,7 @@ def unscale_(self:LossScaler,
         flags.append(found)
     return flags[0] if len(flags)==1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
 
-# %% ../nbs/01_scaler.ipynb #f2f15f3b
+# %% ../nbs/01_scaler.ipynb #d552524c
 @patch
 def update(self:LossScaler,
     found_inf:bool, # Whether this step's gradients had an inf or a NaN (the step was skipped)
@@ -146,7 +147,7 @@ def update(self:LossScaler,
         if math.isfinite(grown): self.scale = grown
         self.growth_tracker = 0
 
-# %% ../nbs/01_scaler.ipynb #27c21cc4
+# %% ../nbs/01_scaler.ipynb #332421e7
 _state_keys = ('scale', 'growth_tracker', 'skipped', 'consecutive_skips')
 
 @patch
@@ -154,6 +155,7 @@ def state_dict(self:LossScaler) -> dict:
     "The scaler's state as plain Python scalars"
     return {k:getattr(self, k) for k in _state_keys}
 
+# %% ../nbs/01_scaler.ipynb #b3565321
 @patch
 def load_state_dict(self:LossScaler,
     sd:dict, # What `state_dict` returned
