@@ -74,6 +74,7 @@ def uncast(self:ModelCast) -> None:
             m._buffers[n] = o
     self.cast = False
 
+# %% ../nbs/00_cast.ipynb #6eef6417
 @patch
 def recast(self:ModelCast) -> None:
     "Copy the originals' values into the 16-bit copies and put those in the model again"
@@ -86,6 +87,7 @@ def recast(self:ModelCast) -> None:
     self.hooks = _hook_dtypes(self.model, self.dtype, self.kept)
     self.cast = True
 
+# %% ../nbs/00_cast.ipynb #64a60062
 @patch
 def restore(self:ModelCast) -> None:
     "Put the FP32 originals back for good, without the hooks"

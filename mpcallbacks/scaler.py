@@ -78,6 +78,7 @@ def scale_loss(self:LossScaler,
     "`loss` times the scale (the loss itself when the scale is 1)"
     return loss if self.scale == 1. else loss * self.scale
 
+# %% ../nbs/01_scaler.ipynb #715b0d7d
 @patch
 def unscale_(self:LossScaler,
     grads:list, # FP32 gradients, divided by the scale in place
@@ -126,11 +127,13 @@ def update(self:LossScaler,
 # %% ../nbs/01_scaler.ipynb #2d6307d7
 _state_keys = ('scale', 'growth_tracker', 'skipped', 'consecutive_skips')
 
+# %% ../nbs/01_scaler.ipynb #54f75496
 @patch
 def state_dict(self:LossScaler) -> dict:
     "The scaler's state as plain Python scalars"
     return {k:getattr(self, k) for k in _state_keys}
 
+# %% ../nbs/01_scaler.ipynb #082ce607
 @patch
 def load_state_dict(self:LossScaler,
     sd:dict, # What `state_dict` returned
