@@ -184,6 +184,22 @@ def search_entries(soup, page:str, title:str) -> list:
     return [e for e in entries if e['x'] or e['a']]
 
 
+def fix_source_links(soup, syms:dict) -> None:
+    "nbdev's show_doc links a property's source to line `None` (`cast.py#LNone`): link the line of its getter instead"
+    import importlib, inspect
+    for a in soup.find_all('a', href=re.compile(r'#LNone$')):
+        h = a.find_next(['h2', 'h3', 'h4'])
+        name = re.sub(r'\s*¶$', '', h.get_text(' ', strip=True)) if h else ''
+        key = next((k for k in syms if k.endswith('.' + name)), None)
+        if not key: continue
+        obj = importlib.import_module(syms[key])
+        for part in name.split('.'): obj = inspect.getattr_static(obj, part)
+        obj = getattr(obj, 'fget', obj)
+        try: line = inspect.getsourcelines(inspect.unwrap(obj))[1]
+        except (TypeError, OSError): continue
+        a['href'] = a['href'][:-len('None')] + str(line)
+
+
 def toc_html(toc:list) -> str:
     if not toc: return ''
     items = ''.join(f'<li class="toc-{tag}"><a href="#{hid}">{html.escape(text)}</a></li>' for tag,hid,text in toc)
@@ -220,6 +236,9 @@ def build() -> list:
     # (jupyter/nbconvert#2020); `embed_images` below does the same job after rendering.
     exporter = HTMLExporter(template_name='site', extra_template_basedirs=[str(TEMPLATES)],
                             exclude_input_prompt=True, exclude_output_prompt=True)
+    ns = {}
+    exec((cfg.lib_path/'_modidx.py').read_text(), ns)
+    syms = {k: mod for mod,d in ns['d']['syms'].items() for k in d} # full name -> module
     written,index = [],[]
     for name,(meta,nb) in loaded.items():
         page = dict(pages[name], root='', sidebar_html=sidebar_html(entries, pages, pages[name]['file']))
@@ -232,6 +251,7 @@ def build() -> list:
         embed_images(soup, proc)
         toc = fix_headings(soup)
         fix_links(soup, site_url, pages)
+        fix_source_links(soup, syms)
         nav = soup.select_one('nav.site-toc')
         nav.clear(); nav.append(BeautifulSoup(toc_html(toc), 'html.parser'))
         (out/page['file']).write_text(str(soup))

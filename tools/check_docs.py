@@ -232,6 +232,7 @@ def check_showdocs(entries:list) -> list:
     for e in entries:
         if not e['text']: problems.append(f"empty API entry: {e['name']} shows only its signature (give it a docstring)")
         if not e['source']: problems.append(f"API entry without a link to its source: {e['name']}")
+        elif not re.search(r'#L\d+$', e['source']): problems.append(f"API entry's source link has no line: {e['name']} -> {e['source']}")
     def where(e):
         m = re.search(r'/blob/[^/]+/(.+?)#L(\d+)$', e['source'] or '')
         return (m.group(1), int(m.group(2))) if m else None
