@@ -75,9 +75,11 @@ bench: $(STAMP)
 docs: $(STAMP)
 	$(PY) tools/build_docs.py
 
-# Opens every page of _docs/ in headless Chromium (Debian's, installed if missing) and fails on broken internal links
-# or anchors, images that do not load, Python tracebacks in outputs, or pages missing from the sidebar; screenshots of
-# the home page and the tutorial go to _docs/screenshots/. About 10 s, plus the build and Chromium's installation.
+# Opens every page of _docs/ in headless Chromium (Debian's, installed if missing) at 1280 and 400 px and fails on
+# broken links or anchors (also those of _modidx.py and the module docstrings), images that do not load, tracebacks,
+# progress bars or local paths in outputs, empty or misordered API entries, search that does not find and open a
+# section, or a page wider than a 400 px phone (tools/README.md lists every check); screenshots go to
+# _docs/screenshots/. About 15 s, plus the build and Chromium's installation.
 docs-check: docs
 	@command -v chromium >/dev/null || { echo "Installing Debian's chromium..."; \
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
