@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements-dev.txt constraints.txt pyp
 QUIET_PIP := { grep -v '^WARNING: Location' || true; } # hide this machine's pip notices; pip's own failure still fails (pipefail)
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install demo test sync-check nbtest pytest bench readme readme-check docs docs-check
+.PHONY: install demo test sync-check nbtest pytest bench readme readme-check dist-check docs docs-check
 
 $(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,9 +39,10 @@ nbtest: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/pytest -q tests
 
-# The README's test command, and all CI runs: the notebooks are in sync and clean, README.md is fresh, the notebook tests
-# and pytest pass, and the docs site builds and passes its checks in headless Chromium.
-test: sync-check readme-check nbtest pytest docs-check
+# The README's test command, and all CI runs: the notebooks are in sync and clean, README.md is fresh and renders on
+# PyPI, the wheel and sdist pass `twine check --strict` and carry the LICENSE, the notebook tests and pytest pass, and
+# the docs site builds and passes its checks in headless Chromium.
+test: sync-check readme-check dist-check nbtest pytest docs-check
 
 # README.md is generated from nbs/index.ipynb: nbdev's processed notebook through nbconvert's markdown exporter, with
 # the `# title` and `> summary` on top instead of front matter (nbdev-readme needs Quarto, which cannot be installed here).
@@ -53,6 +54,15 @@ readme-check: $(STAMP)
 	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
 	$(PY) tools/build_readme.py "$$tmp/README.md" >/dev/null; \
 	diff -u README.md "$$tmp/README.md" || { echo "README.md is stale: run \`make readme\` and commit it."; exit 1; }
+	$(PY) tools/check_package.py --readme README.md
+
+# The packages PyPI would get: built into a temporary folder, `twine check --strict` (metadata, README), then the
+# LICENSE in both, no partial test suite in the sdist, and the README rendered as PyPI renders it. About 20 s.
+dist-check: $(STAMP)
+	@tmp=$$(mktemp -d); log=$$(mktemp); trap 'rm -rf "$$tmp" "$$log" build' EXIT; \
+	$(PY) -m build --outdir "$$tmp" . >"$$log" 2>&1 || { cat "$$log"; exit 1; }; \
+	$(PY) -m twine check --strict "$$tmp"/*; \
+	$(PY) tools/check_package.py "$$tmp"
 
 # Issue 4's benchmark on the device present: prints markdown tables, writes bench/results/ (results.md, PNG plots),
 # and ends with the headline ratios. A few minutes on 2 CPU cores.
@@ -65,9 +75,11 @@ bench: $(STAMP)
 docs: $(STAMP)
 	$(PY) tools/build_docs.py
 
-# Opens every page of _docs/ in headless Chromium (Debian's, installed if missing) and fails on broken internal links
-# or anchors, images that do not load, Python tracebacks in outputs, or pages missing from the sidebar; screenshots of
-# the home page and the tutorial go to _docs/screenshots/. About 10 s, plus the build and Chromium's installation.
+# Opens every page of _docs/ in headless Chromium (Debian's, installed if missing) at 1280 and 400 px and fails on
+# broken links or anchors (also those of _modidx.py and the module docstrings), images that do not load, tracebacks,
+# progress bars or local paths in outputs, empty or misordered API entries, search that does not find and open a
+# section, or a page wider than a 400 px phone (tools/README.md lists every check); screenshots go to
+# _docs/screenshots/. About 15 s, plus the build and Chromium's installation.
 docs-check: docs
 	@command -v chromium >/dev/null || { echo "Installing Debian's chromium..."; \
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }

@@ -62,20 +62,23 @@ def start_training(self:MixedFit) -> None:
     self.masters.fp32_params = [p for p in opt_params if id(p) not in masters]
     self.ranks.start_training(self.learn.model, self.cast)
 
-# %% ../nbs/03_callback.ipynb #78fdbf94
-@patch
+# %% ../nbs/03_callback.ipynb #a2f2fc36
 @contextmanager
-def fp32(self:MixedFit):
-    "The FP32 model, and the learner's own `parameters`, for the length of the block"
-    if not self.cast.cast:
+def _fp32_block(fit:MixedFit):
+    if not fit.cast.cast:
         yield
         return
-    self.cast.uncast()
-    self._hide_fp32_parameters()
+    fit.cast.uncast()
+    fit._hide_fp32_parameters()
     try: yield
     finally:
-        self.cast.recast()
-        self._show_fp32_parameters()
+        fit.cast.recast()
+        fit._show_fp32_parameters()
+
+@patch
+def fp32(self:MixedFit): # A context manager
+    "The FP32 model, and the learner's own `parameters`, for the length of a `with` block"
+    return _fp32_block(self)
 
 # %% ../nbs/03_callback.ipynb #7dea8241
 @patch
@@ -110,7 +113,7 @@ class MasterMixedPrecision(Callback):
     def skipped(self) -> int: return self.scaler.skipped # Steps skipped for inf/NaN gradients, over the learner's life
     def __repr__(self): return f"{type(self).__name__}({self.dtype}, {self.scaler})"
 
-# %% ../nbs/03_callback.ipynb #6f4342fd
+# %% ../nbs/03_callback.ipynb #be9241d0
 @patch
 def before_fit(self:MasterMixedPrecision):
     "Cast the model to 16 bits; each copy's FP32 original, in the optimizer, is its master (inside a fit: nothing)"
@@ -121,13 +124,13 @@ def before_fit(self:MasterMixedPrecision):
     self.fit_state = MixedFit(self.learn, self.dtype, self.keep)
     warn_if_slow(self.dtype, self.fit_state.cast.device)
 
-# %% ../nbs/03_callback.ipynb #269a9c08
+# %% ../nbs/03_callback.ipynb #69494597
 @patch
 def before_train(self:MasterMixedPrecision):
     "Follow `freeze`/`unfreeze` and optimizer changes made between epochs; under DDP, start from rank 0's masters"
     if self.fit_state is not None: self.fit_state.start_training()
 
-# %% ../nbs/03_callback.ipynb #69a3aa6b
+# %% ../nbs/03_callback.ipynb #4fa05647
 @patch
 def after_fit(self:MasterMixedPrecision):
     "Put the FP32 model back, equal to the masters (inside a fit: nothing)"
@@ -135,26 +138,26 @@ def after_fit(self:MasterMixedPrecision):
     if fit.nested: fit.nested -= 1
     else: self.end_fit()
 
-# %% ../nbs/03_callback.ipynb #2bda7182
+# %% ../nbs/03_callback.ipynb #aa6931f1
 @patch
 def end_fit(self:MasterMixedPrecision) -> None:
     "Put the FP32 model back, equal to the masters, and drop all the fit held; safe to call twice"
     fit,self.fit_state = self.fit_state,None
     if fit is not None: fit.close()
 
-# %% ../nbs/03_callback.ipynb #1965da9c
+# %% ../nbs/03_callback.ipynb #0718cb98
 @patch
 def after_pred(self:MasterMixedPrecision):
     "Hand FP32 predictions to the loss function"
     if self.fit_state is not None: self.learn.pred = to_float(self.pred)
 
-# %% ../nbs/03_callback.ipynb #c5b7597b
+# %% ../nbs/03_callback.ipynb #8d6988e4
 @patch
 def before_backward(self:MasterMixedPrecision):
     "Multiply the loss by the scale"
     if self.fit_state is not None: self.learn.loss_grad = self.scaler.scale_loss(self.loss_grad)
 
-# %% ../nbs/03_callback.ipynb #316c20f9
+# %% ../nbs/03_callback.ipynb #d5a0ed81
 @patch
 def after_backward(self:MasterMixedPrecision):
     "Note the backward pass in the gradient lifecycle, and whether DDP all-reduced it"
@@ -162,7 +165,7 @@ def after_backward(self:MasterMixedPrecision):
     fit.masters.backward()
     fit.ranks.after_backward(self.learn.model)
 
-# %% ../nbs/03_callback.ipynb #76c47f63
+# %% ../nbs/03_callback.ipynb #9f560094
 @patch
 def before_step(self:MasterMixedPrecision):
     "Move the gradients into the masters, unscale and check them in one pass, read the verdict: skip the step on inf/NaN"
@@ -177,13 +180,13 @@ def before_step(self:MasterMixedPrecision):
         raise CancelFitException() from e
     raise CancelStepException()
 
-# %% ../nbs/03_callback.ipynb #d4e94b83
+# %% ../nbs/03_callback.ipynb #c2454a25
 @patch
 def after_cancel_step(self:MasterMixedPrecision):
     "Drop the gradients of a step another callback cancelled, as fastai's `zero_grad` does"
     if (fit := self.fit_state) is not None and fit.masters.phase is GradPhase.UNSCALED: fit.masters.skip()
 
-# %% ../nbs/03_callback.ipynb #c8038a09
+# %% ../nbs/03_callback.ipynb #554cc527
 @patch
 def after_step(self:MasterMixedPrecision):
     "After a step the optimizer took: count it for the scale's growth, copy the stepped masters into the 16-bit weights"
@@ -192,13 +195,13 @@ def after_step(self:MasterMixedPrecision):
     fit.masters.stepped()
     if self.check_drift: self._check_drift()
 
-# %% ../nbs/03_callback.ipynb #51bf657e
+# %% ../nbs/03_callback.ipynb #fe6a06c1
 @patch
 def after_cancel_batch(self:MasterMixedPrecision):
     "Keep a postponed batch's gradients, scaled, in FP32 for the next step (gradient accumulation)"
     if (fit := self.fit_state) is not None: fit.masters.cancel(self.scaler.scale, keep_in_model=fit.ranks.leave_to_ddp())
 
-# %% ../nbs/03_callback.ipynb #f3059d4c
+# %% ../nbs/03_callback.ipynb #7286797b
 @patch
 def _check_drift(self:MasterMixedPrecision):
     "Raise if a 16-bit weight differs from its master cast to 16 bits"
@@ -207,14 +210,13 @@ def _check_drift(self:MasterMixedPrecision):
     if n: raise RuntimeError(f"{n} 16-bit weight tensor(s) differ from their FP32 masters cast to {self.dtype}: "
                              "something wrote to the 16-bit model instead of the masters (the optimizer's parameters).")
 
-# %% ../nbs/03_callback.ipynb #dd3026f7
+# %% ../nbs/03_callback.ipynb #722f40a3
 @patch
-@contextmanager
-def fp32_model(self:MasterMixedPrecision):
+def fp32_model(self:MasterMixedPrecision): # A context manager
     "Within this context the model holds its FP32 parameters, even in the middle of a fit"
-    with (self.fit_state.fp32() if self.fit_state is not None else nullcontext()): yield
+    return self.fit_state.fp32() if self.fit_state is not None else nullcontext()
 
-# %% ../nbs/03_callback.ipynb #c9a5d896
+# %% ../nbs/03_callback.ipynb #6341601c
 @patch
 def plot_loss_scale(self:MasterMixedPrecision,
     ax=None, # Matplotlib axes to draw on; a new figure if None
@@ -230,7 +232,7 @@ def plot_loss_scale(self:MasterMixedPrecision,
     ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
     return ax
 
-# %% ../nbs/03_callback.ipynb #735ded01
+# %% ../nbs/03_callback.ipynb #496b1338
 from mpcallbacks import learner as _learner # noqa: F401 (`Learner.to_mixed` and the guards)
 from mpcallbacks.scaler import make_scaler # noqa: F401
 

@@ -148,7 +148,7 @@ class ModelCast:
         "The device of the cast model (of its first cast tensor, for a model spread over several)"
         return (self.params or self.buffers)[0].copy.device
 
-# %% ../nbs/00_cast.ipynb #05f3e863
+# %% ../nbs/00_cast.ipynb #9fe3007e
 @patch
 def _put(self:ModelCast, side:str) -> None:
     "Put the `side` ('copy' or 'original') of every slot into its module, all or none"
@@ -173,7 +173,7 @@ def copies_differ(self:ModelCast,
     dev = slots[0].copy.device # one sync, also for a model spread over several devices
     return torch.stack([(s.copy != s.original.to(s.copy.dtype)).any().to(dev) for s in slots]).tolist()
 
-# %% ../nbs/00_cast.ipynb #1b7702e9
+# %% ../nbs/00_cast.ipynb #764ff822
 @patch
 def sync_copies(self:ModelCast) -> None:
     "Copy the originals' values into the 16-bit copies (parameters and buffers)"
@@ -181,7 +181,7 @@ def sync_copies(self:ModelCast) -> None:
         for ts in (self.pairs, self.buffers):
             if ts: torch._foreach_copy_([s.copy for s in ts], [s.original for s in ts])
 
-# %% ../nbs/00_cast.ipynb #18b6e72d
+# %% ../nbs/00_cast.ipynb #e5ed3279
 @patch
 def uncast(self:ModelCast) -> None:
     "Put the FP32 originals in the model; buffers that training changed give their new value to the originals"
@@ -194,7 +194,7 @@ def uncast(self:ModelCast) -> None:
     for h in self.hooks: h.remove()
     self.hooks,self.cast = [],False
 
-# %% ../nbs/00_cast.ipynb #8b4dd3f3
+# %% ../nbs/00_cast.ipynb #b5a94c3c
 @patch
 def recast(self:ModelCast) -> None:
     "Copy the originals' values into the 16-bit copies and put those in the model again"
@@ -203,14 +203,14 @@ def recast(self:ModelCast) -> None:
     self._put('copy')
     self.hooks,self.cast = _hook_dtypes(self.model, self.dtype, self.kept),True
 
-# %% ../nbs/00_cast.ipynb #12a6ff1a
+# %% ../nbs/00_cast.ipynb #b6fa5307
 @patch
 def restore(self:ModelCast) -> None:
     "Put the FP32 originals back for good, without the hooks"
     self.uncast()
     self.params,self.buffers,self.kept,self.model = [],[],[],None
 
-# %% ../nbs/00_cast.ipynb #ed0ff760
+# %% ../nbs/00_cast.ipynb #27cfc3e0
 def _to(x, dtype):
     "`x` with its floating-point tensors (in tuples, lists and dicts too) cast to `dtype`"
     if isinstance(x, Tensor): return x.to(dtype) if x.is_floating_point() else x
@@ -228,7 +228,7 @@ def _hook_dtypes(model, dtype, kept_tops) -> list:
         hooks += [m.register_forward_pre_hook(in_32, with_kwargs=True), m.register_forward_hook(out_16)]
     return hooks
 
-# %% ../nbs/00_cast.ipynb #a02105d2
+# %% ../nbs/00_cast.ipynb #97ccdca5
 def cast_model(
     model:nn.Module, # The FP32 model to cast
     dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`

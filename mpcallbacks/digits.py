@@ -18,7 +18,8 @@ def digits_dls(
     device='cpu', # Where batches go
 ) -> DataLoaders: # Images as (1, 8, 8) float tensors, labels 0-9
     "scikit-learn's digits as fastai `DataLoaders`, split 80/20"
-    from sklearn.datasets import load_digits
+    try: from sklearn.datasets import load_digits # an optional dependency: the example data only
+    except ImportError as e: raise ImportError('`digits_dls` needs scikit-learn: pip install "mpcallbacks[demo]"') from e
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32)[:, None] / 16.
     y = torch.tensor(d.target)

@@ -175,13 +175,13 @@ class OptimizerWithScaler(GetAttr):
         self.opt.load_state_dict(sd)
         if scaler_sd is not None: self.scaler.load_state_dict(scaler_sd)
 
-# %% ../nbs/05_learner.ipynb #fef4553a
+# %% ../nbs/05_learner.ipynb #df3a2eb4
 def _carrying_scaler(learn, cb):
     "`learn.opt` wrapped in an `OptimizerWithScaler` for the length of the block (fastai's `replacing_yield`)"
     if learn.opt is None: return nullcontext()
     return contextmanager(replacing_yield)(learn, 'opt', OptimizerWithScaler(learn.opt, cb.scaler))
 
-# %% ../nbs/05_learner.ipynb #53ebff79
+# %% ../nbs/05_learner.ipynb #371a9507
 _save = _fastai_method('save')
 
 @wraps(_save)
@@ -191,7 +191,7 @@ def _guarded_save(self, file, **kwargs):
     with cbs[0].fp32_model(), _carrying_scaler(self, cbs[0]): return _save(self, file, **kwargs)
 Learner.save = _guarded_save
 
-# %% ../nbs/05_learner.ipynb #e6be1eb0
+# %% ../nbs/05_learner.ipynb #b1e4b298
 _load = _fastai_method('load')
 
 @wraps(_load)
@@ -204,7 +204,7 @@ def _guarded_load(self, file, device=None, **kwargs):
     return self
 Learner.load = _guarded_load
 
-# %% ../nbs/05_learner.ipynb #18ca0448
+# %% ../nbs/05_learner.ipynb #0b4e5bfd
 _export = _fastai_method('export')
 
 @wraps(_export)

@@ -11,16 +11,20 @@ the same site from the same input, nbdev's processed notebooks in `_proc/`, with
   so nbdev's doc links (`callback.html#mastermixedprecision`) resolve; links to the published site become relative;
   formulas are drawn as SVG by matplotlib's mathtext.
 - Each page stands alone: images are embedded (base64), and nothing is loaded from a network.
+- Next to each page, its markdown (`cast.html.md`), as Quarto writes it for nbdev 3 (`format: commonmark`,
+  `keep-md`): the module docstrings nbdev exports link there.
+- Search: `search.js`, an index of every section of every page (`window.SEARCH_INDEX`), read by `site.js`, which also
+  folds the sidebar away on narrow screens and puts a copy button on code blocks.
 
 `nbs/_quarto.yml`, `nbs/nbdev.yml` and `nbs/sidebar.yml` stay as nbdev wants them, so `nbdev-docs` keeps working
 wherever Quarto exists."""
 from __future__ import annotations
-import base64, html, io, mimetypes, re, shutil, sys
+import base64, html, io, json, mimetypes, re, shutil, sys
 from pathlib import Path
 import yaml
 from bs4 import BeautifulSoup
 from jupyter_core.paths import jupyter_path
-from nbconvert import HTMLExporter
+from nbconvert import HTMLExporter, MarkdownExporter
 from nbconvert.filters.markdown import markdown2html
 from processed_nb import load_processed, pandoc_id
 
@@ -142,6 +146,60 @@ def fix_links(soup, site_url:str, pages:dict) -> None:
         a['href'] = path + sep + frag
 
 
+def page_markdown(proc_nb:Path, title:str, description:str) -> str:
+    "The page as markdown (`<page>.html.md`): Quarto's commonmark output, which nbdev's module docstrings link to"
+    meta,nb = load_processed(proc_nb, html=False)
+    nb.metadata.setdefault('language_info', {})['name'] = nb.metadata.get('kernelspec', {}).get('language', 'python')
+    for cell in nb.cells: # images live in the HTML page; the markdown keeps the text
+        for out in cell.get('outputs', []):
+            for k in [k for k in out.get('data', {}) if k.startswith('image/')]: del out['data'][k]
+    body,_ = MarkdownExporter(exclude_input_prompt=True, exclude_output_prompt=True).from_notebook_node(nb)
+    head = f"# {title}\n\n" + (f"> {description}\n\n" if description else '')
+    return re.sub(r'\n{3,}', '\n\n', head + body).strip() + '\n'
+
+
+_section_tags = ('h1', 'h2', 'h3', 'h4')
+_skip_tags = ('script', 'style', 'button', 'nav', 'header', 'footer')
+_block_tags = ('p', 'li', 'div', 'pre', 'td', 'th', 'tr', 'table', 'blockquote', 'dt', 'dd', 'br', 'hr')
+
+
+def search_entries(soup, page:str, title:str) -> list:
+    "Sections of a page for the search index: its headings (with their anchors) and the text up to the next one"
+    entries = [dict(p=page, a='', t=title, h=title, x=[])]
+    def walk(node):
+        for child in node.children:
+            name = getattr(child, 'name', None)
+            if name is None:
+                if type(child).__name__ == 'NavigableString': entries[-1]['x'].append(str(child))
+            elif name in _section_tags and child.get('id') and 'page-title' not in (child.get('class') or []):
+                heading = re.sub(r'\s*¶$', '', child.get_text(' ', strip=True))
+                entries.append(dict(p=page, a=child['id'], t=title, h=heading, x=[]))
+            elif name in _skip_tags or (name == 'a' and child.get_text(strip=True) == 'source'): continue
+            elif name == 'pre': entries[-1]['x'].append(' ' + child.get_text() + ' ')
+            else:
+                walk(child)
+                if name in _block_tags: entries[-1]['x'].append(' ')
+    walk(soup.select_one('main.site-page'))
+    for e in entries: e['x'] = re.sub(r'\s+', ' ', ''.join(e['x'])).strip()[:3000]
+    return [e for e in entries if e['x'] or e['a']]
+
+
+def fix_source_links(soup, syms:dict) -> None:
+    "nbdev's show_doc links a property's source to line `None` (`cast.py#LNone`): link the line of its getter instead"
+    import importlib, inspect
+    for a in soup.find_all('a', href=re.compile(r'#LNone$')):
+        h = a.find_next(['h2', 'h3', 'h4'])
+        name = re.sub(r'\s*¶$', '', h.get_text(' ', strip=True)) if h else ''
+        key = next((k for k in syms if k.endswith('.' + name)), None)
+        if not key: continue
+        obj = importlib.import_module(syms[key])
+        for part in name.split('.'): obj = inspect.getattr_static(obj, part)
+        obj = getattr(obj, 'fget', obj)
+        try: line = inspect.getsourcelines(inspect.unwrap(obj))[1]
+        except (TypeError, OSError): continue
+        a['href'] = a['href'][:-len('None')] + str(line)
+
+
 def toc_html(toc:list) -> str:
     if not toc: return ''
     items = ''.join(f'<li class="toc-{tag}"><a href="#{hid}">{html.escape(text)}</a></li>' for tag,hid,text in toc)
@@ -172,12 +230,16 @@ def build() -> list:
     own_css = cfg.nbs_path/'styles.css'
     (out/'styles'/'site.css').write_text((TEMPLATES/'site'/'site.css').read_text() +
                                          (own_css.read_text() if own_css.exists() else ''))
+    shutil.copy(TEMPLATES/'site'/'site.js', out/'site.js')
 
     # Not `embed_images=True`: it re-parses each inline HTML tag on its own and so breaks nbdev's "source" links
     # (jupyter/nbconvert#2020); `embed_images` below does the same job after rendering.
     exporter = HTMLExporter(template_name='site', extra_template_basedirs=[str(TEMPLATES)],
                             exclude_input_prompt=True, exclude_output_prompt=True)
-    written = []
+    ns = {}
+    exec((cfg.lib_path/'_modidx.py').read_text(), ns)
+    syms = {k: mod for mod,d in ns['d']['syms'].items() for k in d} # full name -> module
+    written,index = [],[]
     for name,(meta,nb) in loaded.items():
         page = dict(pages[name], root='', sidebar_html=sidebar_html(entries, pages, pages[name]['file']))
         body,_ = exporter.from_notebook_node(nb, resources={'page': page, 'site': site,
@@ -189,10 +251,15 @@ def build() -> list:
         embed_images(soup, proc)
         toc = fix_headings(soup)
         fix_links(soup, site_url, pages)
+        fix_source_links(soup, syms)
         nav = soup.select_one('nav.site-toc')
         nav.clear(); nav.append(BeautifulSoup(toc_html(toc), 'html.parser'))
         (out/page['file']).write_text(str(soup))
+        (out/(page['file'] + '.md')).write_text(page_markdown(proc/name, meta['title'], meta.get('description', '')))
+        index += search_entries(soup, page['file'], title)
         written.append(page['file'])
+    # A script, not JSON: pages opened from disk (file://) may not fetch() a file, but they may load a script
+    (out/'search.js').write_text('window.SEARCH_INDEX = ' + json.dumps(index, ensure_ascii=False, separators=(',', ':')) + ';\n')
     return written
 
 

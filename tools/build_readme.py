@@ -4,17 +4,63 @@
 This takes the same processed notebook (`_proc/index.ipynb`, nbdev's doc links already absolute, so they work on
 GitHub and PyPI) through nbconvert's markdown exporter. Quarto's parts are done here: the front matter becomes the
 `# title` and the `> summary` at the top, instead of a YAML block; hidden cells stay hidden; Pandoc-only syntax is
-turned into plain markdown."""
+turned into plain markdown.
+
+README.md is also the project's PyPI page, and PyPI's renderer (readme_renderer: GFM, then an HTML sanitizer) drops
+`<style>` tags but shows their CSS as text, and knows no LaTeX. So what the notebook shows as HTML tables (DataFrames)
+becomes a markdown table, and `$...$` formulas become plain text (`$2^{16}$` -> `2¹⁶`) or code. `tools/check_package.py`
+renders the result as PyPI does and fails on CSS or TeX left in it."""
 from __future__ import annotations
 import argparse, re
 from pathlib import Path
+from bs4 import BeautifulSoup
 from nbconvert import MarkdownExporter
 from processed_nb import load_processed
+
+_math_re = re.compile(r'\$\$(.+?)\$\$|(?<![\\$\w])\$(?=\S)(.+?)(?<=\S)\$(?![\w$])', re.S)
+_sup = str.maketrans('0123456789+-=()n', '⁰¹²³⁴⁵⁶⁷⁸⁹⁺⁻⁼⁽⁾ⁿ')
+_sub = str.maketrans('0123456789+-=()', '₀₁₂₃₄₅₆₇₈₉₊₋₌₍₎')
+
+
+def plain_math(tex:str) -> str:
+    "A formula as text: powers and indices of digits as Unicode super/subscripts, anything else as code"
+    t = tex.strip()
+    t = re.sub(r'\^\{([0-9+\-=()n]+)\}|\^([0-9n])', lambda m: (m.group(1) or m.group(2)).translate(_sup), t)
+    t = re.sub(r'_\{([0-9+\-=()]+)\}|_([0-9])', lambda m: (m.group(1) or m.group(2)).translate(_sub), t)
+    t = t.replace(r'\times', '×').replace(r'\cdot', '·').replace(r'\approx', '≈').replace(r'\le', '≤').replace(r'\ge', '≥')
+    return t if re.fullmatch(r'[\w.,+\-=×·≈≤≥ ⁰-⁹⁺⁻⁼⁽⁾ⁿ₀-₉₊₋₌₍₎¹²³]*', t) else f'`{tex.strip()}`'
+
+
+def html_table_markdown(html:str) -> str|None:
+    "A GitHub-flavoured markdown table for the single HTML table in `html` (a DataFrame's), or None if there is none"
+    tables = BeautifulSoup(html, 'html.parser').find_all('table')
+    if len(tables) != 1: return None
+    rows = [[c.get_text(' ', strip=True).replace('|', '\\|') for c in tr.find_all(['th', 'td'])] for tr in tables[0].find_all('tr')]
+    rows = [r for r in rows if r]
+    if not rows: return None
+    width = max(map(len, rows))
+    rows = [r + [''] * (width - len(r)) for r in rows]
+    lines = ['| ' + ' | '.join(rows[0]) + ' |', '|' + '---|' * width] + ['| ' + ' | '.join(r) + ' |' for r in rows[1:]]
+    return '\n'.join(lines) + '\n'
+
+
+def for_pypi(nb) -> None:
+    "Turn what PyPI cannot render into what it can: HTML tables into markdown tables, formulas into text"
+    for cell in nb.cells:
+        if cell.cell_type == 'markdown': cell.source = _math_re.sub(lambda m: plain_math(m.group(1) or m.group(2)), cell.source)
+        for out in cell.get('outputs', []):
+            data = out.get('data', {})
+            if 'text/html' in data:
+                md = html_table_markdown(data['text/html'])
+                if md is None: raise SystemExit('make readme: an HTML output that is not a table; PyPI would show its markup')
+                data['text/markdown'] = md
+                del data['text/html']
 
 
 def readme_markdown(nb_path:Path) -> tuple[str, dict]:
     "README text for the processed notebook `nb_path`, and the output files (images) it refers to"
     meta,nb = load_processed(nb_path, html=False)
+    for_pypi(nb)
     # nbdev-clean strips `language_info`; the exporter needs it to label the code blocks
     nb.metadata.setdefault('language_info', {})['name'] = nb.metadata.get('kernelspec', {}).get('language', 'python')
     body,resources = MarkdownExporter(exclude_input_prompt=True, exclude_output_prompt=True).from_notebook_node(

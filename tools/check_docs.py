@@ -1,9 +1,17 @@
 """Open every page of the built docs (`_docs/`) in headless Chromium and fail on what a reader would trip over: `make docs-check`.
 
-Checked on each page as the browser rendered it: internal links resolve (the file exists in `_docs/`, and so does
-the `#anchor`), every image loads and is embedded, no output holds a Python traceback, nothing failed to load or threw
-a JavaScript error, and the sidebar lists every page. Screenshots of the home page and the tutorial go to
-`_docs/screenshots/` for review.
+Checked on each page as the browser rendered it:
+- links: internal links resolve (the file exists in `_docs/`, and so does the `#anchor`), and so do the doc links of
+  the module docstrings (`Docs: .../cast.html.md`) and every anchor of a public name in `_modidx.py`;
+- content: every image loads and is embedded; no output holds a Python traceback, a progress bar, or a path of the
+  machine that ran the notebook (a warning's `/home/.../site-packages/...`); every API entry (show_doc) has text and
+  a link to its source; entries shown one after the other are in the order of the source (nbdev lists the
+  definitions of one cell in reverse);
+- the site: nothing failed to load or threw a JavaScript error, the sidebar lists every page, code blocks have a copy
+  button, search finds and opens sections (typed into the box, the first hit followed);
+- phones: at 400 px no page is wider than the screen (code scrolls inside itself) and the sidebar is folded away
+  behind the navbar's toggle, which opens it.
+Screenshots at 1280 and 400 px of the home page, the tutorial and the callback's page go to `_docs/screenshots/`.
 
 Chromium is driven over the DevTools protocol on a pipe (`--remote-debugging-pipe`: file descriptors 3 and 4, JSON
 messages ended by a NUL byte), so one browser serves every page and no websocket library is needed."""
@@ -16,8 +24,17 @@ CHROMIUM_FLAGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-back
                   '--disable-component-update', '--disable-sync', '--no-first-run', '--hide-scrollbars',
                   '--remote-debugging-pipe']
 SCREEN = dict(width=1280, height=2000)
-SCREENSHOTS = ['index.html', 'tutorial.html']
+PHONE = dict(width=400, height=800)
+SCREENSHOTS = ['index.html', 'tutorial.html', 'callback.html']
 TRACEBACK_RE = re.compile(r'Traceback \(most recent call last\)')
+# fastprogress's bar as text ("100.00% [3/3 00:01<00:00]") and tqdm's ("45%|████▌     |")
+PROGRESS_RE = re.compile(r'\d{1,3}\.\d\d% \[\d+/\d+ [\d:]+<|\d{1,3}%\|[█▉▊▋▌▍▎▏ ]*\|')
+# A path of the machine that ran the notebook: absolute Unix paths under the usual roots, Windows drives, site-packages
+LOCAL_PATH_RE = re.compile(r'(?<![\w./:])(?:/(?:home|root|tmp|work|Users|usr|opt|var|private|mnt|srv)/[^\s\'"():]+|'
+                           r'[A-Za-z]:\\[^\s\'"]+)|\S*site-packages\S*')
+# Typed into the search box on the home page; the first hit is followed and must land on `page` at an existing anchor
+SEARCHES = [('LossScaler', 'scaler.html'), ('growth interval', None), ('to_unmixed', None),
+            ('flush to zero', None)]
 # Markdown link syntax left visible: a link inside a link (nbdev links `name` in backticks itself), or a typo
 RAW_LINK_RE = re.compile(r'\]\((?:https?://|[\w./-]+\.(?:html|ipynb))[^)\s]*\)')
 
@@ -28,11 +45,48 @@ PAGE_REPORT_JS = """JSON.stringify({
   sidebar: [...document.querySelectorAll('nav.site-sidebar a[href]')].map(a => a.getAttribute('href')),
   images: [...document.images].map(i => ({src: i.getAttribute('src') || '', ok: i.complete && i.naturalWidth > 0,
                                           alt: i.alt})),
-  outputs: [...document.querySelectorAll('.jp-OutputArea-output')].map(o => o.innerText),
+  outputs: [...document.querySelectorAll('.jp-OutputArea-output')].map(o => ({text: o.innerText,
+    stderr: o.getAttribute('data-mime-type') === 'application/vnd.jupyter.stderr', progress: !!o.querySelector('progress')})),
+  showdocs: [...document.querySelectorAll('main .jp-Cell')].flatMap((cell, i) => !cell.classList.contains('celltag_echo-false') ? [] :
+    [...cell.querySelectorAll('.jp-RenderedMarkdown')].filter(md => md.querySelector('h2, h3, h4')).map(md => {
+      const h = md.querySelector('h2, h3, h4'), src = [...md.querySelectorAll('a[href]')].find(a => a.textContent.trim() === 'source');
+      const rest = md.cloneNode(true); // what the entry says beyond its name and signature
+      rest.querySelectorAll('h2, h3, h4, pre, hr, button').forEach(e => e.remove());
+      rest.querySelectorAll('a').forEach(a => { if (a.textContent.trim() === 'source') a.remove(); });
+      return {cell: i, id: h.id, name: h.textContent.replace(/¶\s*$/, '').trim(), source: src ? src.getAttribute('href') : null,
+              text: rest.textContent.trim()};
+    })),
+  code_blocks: document.querySelectorAll('.jp-InputArea-editor pre, .jp-RenderedMarkdown pre').length,
+  copy_buttons: document.querySelectorAll('.has-copy-button > .copy-button').length,
   prose: [...document.querySelectorAll('.jp-RenderedMarkdown')].map(o => o.innerText).join('\\n'),
   styled: getComputedStyle(document.querySelector('.site-navbar') || document.body).position === 'sticky',
   text: document.body.innerText.length,
 })"""
+
+
+# At phone width: how wide the page is, what sticks out (outermost elements past the right edge, not inside something
+# that scrolls or clips), and whether the sidebar is folded away and opens with the toggle
+PHONE_REPORT_JS = """(() => {
+  const vw = document.documentElement.clientWidth, clips = e => {
+    for (let p = e.parentElement; p && p !== document.body; p = p.parentElement)
+      if (getComputedStyle(p).overflowX !== 'visible') return true;
+    return false; };
+  const past = e => { const r = e.getBoundingClientRect(); return r.width > 0 && r.right > vw + 1; };
+  const offenders = [...document.querySelectorAll('body *')].filter(e => past(e) && !clips(e) && !(e.parentElement && past(e.parentElement)))
+    .slice(0, 5).map(e => e.tagName.toLowerCase() + (typeof e.className === 'string' && e.className.trim() ?
+      '.' + e.className.trim().split(/\\s+/).slice(0, 3).join('.') : '') + ` (right edge ${Math.round(e.getBoundingClientRect().right)} px)`);
+  const sidebar = document.querySelector('nav.site-sidebar'), toggle = document.querySelector('.sidebar-toggle');
+  const shown = e => !!e && getComputedStyle(e).display !== 'none' && e.getBoundingClientRect().width > 0;
+  const res = {width: document.documentElement.scrollWidth, viewport: vw, offenders,
+               sidebar_folded: !shown(sidebar), toggle_shown: shown(toggle)};
+  if (toggle) { toggle.click(); res.sidebar_opens = shown(sidebar) && sidebar.getBoundingClientRect().right <= vw + 1;
+                toggle.click(); res.sidebar_closes = !shown(sidebar); }
+  return JSON.stringify(res);
+})()"""
+
+DESKTOP_LAYOUT_JS = """JSON.stringify({sidebar: getComputedStyle(document.querySelector('nav.site-sidebar')).display !== 'none',
+  toggle: getComputedStyle(document.querySelector('.sidebar-toggle') || document.body).display === 'none' ? false : !!document.querySelector('.sidebar-toggle'),
+  width: document.documentElement.scrollWidth, viewport: document.documentElement.clientWidth})"""
 
 
 class DevToolsPipe:
@@ -89,13 +143,20 @@ class DevToolsPipe:
             self.events.append(e)
 
 
-def open_tab(browser:DevToolsPipe) -> str:
-    "A new tab, its events on, at the screenshot size; returns its session id"
+def open_tab(browser:DevToolsPipe, screen:dict=SCREEN, mobile:bool=False) -> str:
+    "A new tab, its events on, at the size `screen` (a phone's viewport if `mobile`); returns its session id"
     target = browser.send('Target.createTarget', url='about:blank')['targetId']
     session = browser.send('Target.attachToTarget', targetId=target, flatten=True)['sessionId']
     for domain in ('Page', 'Network', 'Runtime', 'Log'): browser.send(f'{domain}.enable', session)
-    browser.send('Emulation.setDeviceMetricsOverride', session, deviceScaleFactor=1, mobile=False, **SCREEN)
+    browser.send('Emulation.setDeviceMetricsOverride', session, deviceScaleFactor=1, mobile=mobile, **screen)
     return session
+
+
+def evaluate(browser:DevToolsPipe, session:str, expression:str):
+    "The JSON value `expression` evaluates to in the page"
+    res = browser.send('Runtime.evaluate', session, expression=expression, returnByValue=True, awaitPromise=True)
+    if 'exceptionDetails' in res: raise RuntimeError(f"evaluating in the page failed: {res['exceptionDetails']}")
+    return json.loads(res['result']['value'])
 
 
 def load(browser:DevToolsPipe, session:str, path:Path) -> tuple[dict, list]:
@@ -103,9 +164,7 @@ def load(browser:DevToolsPipe, session:str, path:Path) -> tuple[dict, list]:
     browser.events.clear()
     browser.send('Page.navigate', session, url=path.resolve().as_uri())
     browser.wait_for('Page.loadEventFired', session)
-    res = browser.send('Runtime.evaluate', session, expression=PAGE_REPORT_JS, returnByValue=True)
-    if 'exceptionDetails' in res: raise RuntimeError(f"page report failed on {path}: {res['exceptionDetails']}")
-    report = json.loads(res['result']['value'])
+    report = evaluate(browser, session, PAGE_REPORT_JS)
     urls,problems = {},[]
     for e in browser.events:
         m,p = e.get('method'),e.get('params', {})
@@ -150,13 +209,123 @@ def check_page(page:str, report:dict, pages:list) -> list:
     for img in report['images']:
         if not img['ok']: problems.append(f"image does not load: {img['src'][:80]!r} (alt {img['alt']!r})")
         elif not img['src'].startswith('data:'): problems.append(f"image not embedded: {img['src'][:80]!r}")
-    for text in report['outputs']:
+    for out in report['outputs']:
+        text,kind = out['text'],('stderr output' if out['stderr'] else 'output')
         if TRACEBACK_RE.search(text): problems.append('Python traceback in an output: ' + text.strip().splitlines()[-1][:200])
+        if out['progress'] or PROGRESS_RE.search(text):
+            problems.append(f'progress bar committed in an {kind}: {text.strip()[:80]!r} (run it under learn.no_bar())')
+        m = LOCAL_PATH_RE.search(text)
+        if m: problems.append(f'{kind} shows a path of the machine that ran it: {m.group(0)[:100]!r}')
     for m in RAW_LINK_RE.finditer(report['prose']): problems.append(f'markdown link shown as text: ...{m.group(0)[:80]}')
     missing = sorted(set(pages) - set(report['sidebar']))
     if missing: problems.append(f'sidebar does not list {", ".join(missing)} (add them to nbs/sidebar.yml)')
     if not report['styled']: problems.append('stylesheets did not apply')
     if report['text'] < 200: problems.append(f"page is nearly empty ({report['text']} characters of text)")
+    if report['copy_buttons'] < report['code_blocks']:
+        problems.append(f"{report['code_blocks'] - report['copy_buttons']} of {report['code_blocks']} code blocks have no copy button")
+    return problems + check_showdocs(report['showdocs'])
+
+
+def check_showdocs(entries:list) -> list:
+    "API entries: each has text and a source link; consecutive entries follow the source's order"
+    problems = []
+    for e in entries:
+        if not e['text']: problems.append(f"empty API entry: {e['name']} shows only its signature (give it a docstring)")
+        if not e['source']: problems.append(f"API entry without a link to its source: {e['name']}")
+        elif not re.search(r'#L\d+$', e['source']): problems.append(f"API entry's source link has no line: {e['name']} -> {e['source']}")
+    def where(e):
+        m = re.search(r'/blob/[^/]+/(.+?)#L(\d+)$', e['source'] or '')
+        return (m.group(1), int(m.group(2))) if m else None
+    for prev,cur in zip(entries, entries[1:]):
+        if cur['cell'] != prev['cell'] + 1 and cur['cell'] != prev['cell']: continue # prose between: the author's order
+        a,b = where(prev),where(cur)
+        if a and b and a[0] == b[0] and b[1] < a[1]:
+            problems.append(f"API entries out of source order: {prev['name']} ({a[0]}:{a[1]}) is shown before {cur['name']} "
+                            f"({b[0]}:{b[1]}): nbdev lists one cell's definitions in reverse, so give each its own cell")
+    return problems
+
+
+def check_phone(page:str, report:dict) -> list:
+    "At 400 px: nothing wider than the screen, and the sidebar folded away behind a toggle that opens it"
+    problems = []
+    if report['width'] > report['viewport']:
+        problems.append(f"at {PHONE['width']} px the page is {report['width']} px wide (scrolls sideways): "
+                        + '; '.join(report['offenders'] or ['?']))
+    if not report['sidebar_folded']: problems.append(f"at {PHONE['width']} px the sidebar is not folded away")
+    if not report['toggle_shown']: problems.append(f"at {PHONE['width']} px there is no sidebar toggle")
+    elif not (report.get('sidebar_opens') and report.get('sidebar_closes')):
+        problems.append(f"at {PHONE['width']} px the sidebar toggle does not open and close the sidebar within the screen")
+    return problems
+
+
+def check_desktop(report:dict) -> list:
+    problems = []
+    if not report['sidebar']: problems.append(f"at {SCREEN['width']} px the sidebar is hidden")
+    if report['toggle']: problems.append(f"at {SCREEN['width']} px the sidebar toggle shows")
+    if report['width'] > report['viewport']: problems.append(f"at {SCREEN['width']} px the page is {report['width']} px wide")
+    return problems
+
+
+def type_text(browser:DevToolsPipe, session:str, text:str) -> None:
+    "Type as a user does: key events into the focused element"
+    for ch in text: browser.send('Input.dispatchKeyEvent', session, type='char', text=ch)
+
+
+def press(browser:DevToolsPipe, session:str, key:str, code:int) -> None:
+    for t in ('rawKeyDown', 'keyUp'): browser.send('Input.dispatchKeyEvent', session, type=t, key=key, code=key,
+                                                   windowsVirtualKeyCode=code, nativeVirtualKeyCode=code)
+
+
+def check_search(browser:DevToolsPipe, session:str, docs:Path, ids:dict) -> tuple[list, list]:
+    "Type each query of SEARCHES into the home page's search box, press Enter, and check where the first hit leads"
+    problems,seen = [],[]
+    for query,expected in SEARCHES:
+        browser.events.clear()
+        browser.send('Page.navigate', session, url=(docs/'index.html').resolve().as_uri())
+        browser.wait_for('Page.loadEventFired', session)
+        evaluate(browser, session, "document.querySelector('.site-search input').focus(), 'null'")
+        type_text(browser, session, query)
+        hits = evaluate(browser, session, "JSON.stringify([...document.querySelectorAll('.search-results li a')]"
+                                          ".map(a => [a.getAttribute('href'), a.querySelector('.search-title').textContent]))")
+        if not hits: problems.append(f'search for {query!r} finds nothing'); continue
+        browser.events.clear()
+        press(browser, session, 'Enter', 13)
+        browser.wait_for('Page.loadEventFired', session)
+        landed = evaluate(browser, session, "JSON.stringify([location.pathname.split('/').pop(), decodeURIComponent(location.hash.slice(1)),"
+                                            " !!(location.hash && document.getElementById(decodeURIComponent(location.hash.slice(1))))])")
+        page,anchor,found = landed
+        seen.append(f'{query!r}: {len(hits)} hits, Enter -> {page}#{anchor}')
+        if f'{page}#{anchor}'.rstrip('#') != hits[0][0].rstrip('#'): problems.append(f'search for {query!r}: Enter opened {page}#{anchor}, not the first hit {hits[0][0]}')
+        if anchor and not found: problems.append(f'search for {query!r}: the first hit {hits[0][0]} has no such anchor')
+        if expected and page != expected: problems.append(f'search for {query!r}: first hit is on {page}, expected {expected}')
+        text = evaluate(browser, session, "JSON.stringify(document.body.innerText.toLowerCase())")
+        missing = [w for w in query.lower().split() if w not in text]
+        if missing: problems.append(f'search for {query!r}: {page} does not contain {missing}')
+    return problems, seen
+
+
+def check_index(docs:Path, ids:dict, site_url:str) -> list:
+    "The doc links nbdev writes outside the pages: `_modidx.py` (public names) and the exported modules' docstrings"
+    import ast
+    from nbdev.config import get_config
+    cfg = get_config()
+    problems = []
+    ns = {}
+    exec((cfg.lib_path/'_modidx.py').read_text(), ns)
+    for mod,syms in ns['d']['syms'].items():
+        for name,(url,src) in syms.items():
+            if any(part.startswith('_') for part in name.split('.')): continue # private: nbdev documents none of these
+            page,_,frag = url.partition('#')
+            if page not in ids: problems.append(f'_modidx.py: {name} -> {url}: no page {page}')
+            elif frag and frag not in ids[page]: problems.append(f'_modidx.py: {name} -> {url}: no anchor "{frag}" in {page} (show_doc it)')
+    for py in sorted(cfg.lib_path.glob('*.py')):
+        doc = ast.get_docstring(ast.parse(py.read_text())) or ''
+        for url in re.findall(r'https?://\S+', doc):
+            url = url.rstrip('.,)')
+            if not (site_url and url.startswith(site_url + '/')): continue
+            path,_,frag = url[len(site_url)+1:].partition('#')
+            if not (docs/path).is_file(): problems.append(f'{cfg.lib_path.name}/{py.name} docstring: {url}: {path} is not in {docs.name}/')
+            elif frag and path in ids and frag not in ids[path]: problems.append(f'{cfg.lib_path.name}/{py.name} docstring: {url}: no anchor "{frag}"')
     return problems
 
 
@@ -165,7 +334,7 @@ def main():
     ap.add_argument('--docs', default='_docs', help='Folder of the built site')
     ap.add_argument('--chromium', default=shutil.which('chromium') or shutil.which('chromium-browser') or 'chromium')
     ap.add_argument('--site-url', default=None, help="The published site's URL (default: from nbdev's config)")
-    ap.add_argument('--screenshots', nargs='*', default=SCREENSHOTS, help='Pages to save a screenshot of')
+    ap.add_argument('--screenshots', nargs='*', default=SCREENSHOTS, help='Pages to save screenshots of')
     ap.add_argument('--full-page', action='store_true', help='Screenshots of whole pages, not of the window')
     args = ap.parse_args()
     docs = Path(args.docs)
@@ -181,25 +350,40 @@ def main():
 
     start = time.monotonic()
     browser = DevToolsPipe(args.chromium)
-    reports,problems = {},{}
+    reports,problems,phone,desktop = {},{},{},{}
     try:
         session = open_tab(browser)
         for page in pages:
             reports[page],problems[page] = load(browser, session, docs/page)
-            if page in args.screenshots: screenshot(browser, session, shots/Path(page).with_suffix('.png'), args.full_page)
+            desktop[page] = evaluate(browser, session, DESKTOP_LAYOUT_JS)
+            if page in args.screenshots: screenshot(browser, session, shots/f'{Path(page).stem}-{SCREEN["width"]}.png', args.full_page)
+        ids = {page: set(r['ids']) for page,r in reports.items()}
+        search_problems,searches = check_search(browser, session, docs, ids)
+        small = open_tab(browser, PHONE, mobile=True)
+        for page in pages:
+            _,more = load(browser, small, docs/page)
+            problems[page] += more
+            if page in args.screenshots: screenshot(browser, small, shots/f'{Path(page).stem}-{PHONE["width"]}.png', args.full_page)
+            phone[page] = evaluate(browser, small, PHONE_REPORT_JS)
     finally: browser.close()
 
-    ids = {page: set(r['ids']) for page,r in reports.items()}
     for page,report in reports.items():
-        problems[page] += check_links(page, report, ids, docs, site_url) + check_page(page, report, pages)
+        problems[page] += (check_links(page, report, ids, docs, site_url) + check_page(page, report, pages) +
+                           check_desktop(desktop[page]) + check_phone(page, phone[page]))
+    problems['search'] = search_problems
+    problems['_modidx.py and module docstrings'] = check_index(docs, ids, site_url)
     n_links = sum(len(r['links']) for r in reports.values())
     n_images = sum(len(r['images']) for r in reports.values())
+    n_entries = sum(len(r['showdocs']) for r in reports.values())
     bad = {p: ps for p,ps in problems.items() if ps}
     for page,ps in bad.items():
-        print(f'{docs.name}/{page}:')
+        print(f'{docs.name}/{page}:' if page.endswith('.html') else f'{page}:')
         for p in dict.fromkeys(ps): print(f'  - {p}')
-    print(f'{len(pages)} pages, {n_links} links, {n_images} images checked in headless Chromium in '
-          f'{time.monotonic()-start:.1f} s; screenshots of {", ".join(args.screenshots)} in {shots}/')
+    print('search: ' + '; '.join(searches))
+    widths = [phone[p]['width'] for p in pages]
+    print(f'{len(pages)} pages, {n_links} links, {n_images} images, {n_entries} API entries checked in headless Chromium in '
+          f'{time.monotonic()-start:.1f} s; at {PHONE["width"]} px pages are {min(widths)}-{max(widths)} px wide; '
+          f'screenshots of {", ".join(args.screenshots)} at {SCREEN["width"]} and {PHONE["width"]} px in {shots}/')
     if bad: sys.exit(f'{sum(len(set(v)) for v in bad.values())} problem(s) on {len(bad)} page(s)')
 
 
