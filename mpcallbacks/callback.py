@@ -80,14 +80,24 @@ def fp32(self:MixedFit): # A context manager
     "The FP32 model, and the learner's own `parameters`, for the length of a `with` block"
     return _fp32_block(self)
 
-# %% ../nbs/03_callback.ipynb #7dea8241
+# %% ../nbs/03_callback.ipynb #49bd48b8
+@patch
+def weights_note(self:MixedFit) -> str: # A sentence for an error message
+    "Whether the FP32 weights are the last good ones, or themselves non-finite (one host sync, at the end of a fit)"
+    if all(torch.isfinite(p).all() for p in self.fp32_model_params):
+        return ("The model holds the last good weights (BatchNorm running statistics, updated in the forward pass, may "
+                "have taken in the non-finite batches).")
+    return ("Some weights are themselves inf or NaN, which no step of mixed precision wrote (they were loaded, or written "
+            "by hand): load a good checkpoint.")
+
+# %% ../nbs/03_callback.ipynb #514bec20
 @patch
 def close(self:MixedFit) -> None:
     "Put the FP32 model back for good, equal to the masters"
     self._hide_fp32_parameters()
     self.cast.restore()
 
-# %% ../nbs/03_callback.ipynb #d2bdca59
+# %% ../nbs/03_callback.ipynb #968fa442
 class MasterMixedPrecision(Callback):
     "Mixed precision with a 16-bit model, FP32 master weights in the optimizer, and a loss scaler"
     order = MixedPrecision.order # 10: before GradientClip (11) and before DistributedTrainer (11) wraps the model
@@ -103,17 +113,30 @@ class MasterMixedPrecision(Callback):
         self.scaler = LossScaler.from_loss_scale(self.dtype, loss_scale, **kwargs)
         bad = [k for k in tuplify(keep_fp32) if not isinstance(k, (type, str))]
         if bad: raise TypeError(f"keep_fp32 takes module types and name patterns, got {bad}")
+        if not isinstance(check_drift, bool): raise TypeError(f"check_drift must be True or False, got {check_drift!r}")
         self.keep,self.check_drift = always_fp32 + tuple(tuplify(keep_fp32)),check_drift
         self.fit_state:MixedFit|None = None # Built at `before_fit`, dropped when the FP32 model is back
         self.stopped_by:Exception|None = None # What cancelled the last fit, raised by `Learner.fit` once every `after_fit` ran
 
     @property
-    def loss_scale(self) -> float: return self.scaler.scale # The current loss scale (1.0 when not scaling)
+    def loss_scale(self) -> float:
+        "The current loss scale (1.0 when not scaling)"
+        return self.scaler.scale
+
     @property
-    def skipped(self) -> int: return self.scaler.skipped # Steps skipped for inf/NaN gradients, over the learner's life
+    def skipped(self) -> int:
+        "Steps skipped for inf/NaN gradients, over the learner's life"
+        return self.scaler.skipped
+
     def __repr__(self): return f"{type(self).__name__}({self.dtype}, {self.scaler})"
 
-# %% ../nbs/03_callback.ipynb #be9241d0
+    def __setattr__(self, name, value):
+        # fastai's `remove_cb` sets `learn` to None: removed in the middle of a fit, mixed precision ends there (the FP32
+        # model comes back, equal to the masters) and the fit goes on in FP32, as `to_unmixed()` does.
+        if name == 'learn' and value is None and getattr(self, 'fit_state', None) is not None: self.end_fit()
+        super().__setattr__(name, value)
+
+# %% ../nbs/03_callback.ipynb #900f8e7e
 @patch
 def before_fit(self:MasterMixedPrecision):
     "Cast the model to 16 bits; each copy's FP32 original, in the optimizer, is its master (inside a fit: nothing)"
@@ -124,13 +147,13 @@ def before_fit(self:MasterMixedPrecision):
     self.fit_state = MixedFit(self.learn, self.dtype, self.keep)
     warn_if_slow(self.dtype, self.fit_state.cast.device)
 
-# %% ../nbs/03_callback.ipynb #69494597
+# %% ../nbs/03_callback.ipynb #a8fab148
 @patch
 def before_train(self:MasterMixedPrecision):
     "Follow `freeze`/`unfreeze` and optimizer changes made between epochs; under DDP, start from rank 0's masters"
     if self.fit_state is not None: self.fit_state.start_training()
 
-# %% ../nbs/03_callback.ipynb #4fa05647
+# %% ../nbs/03_callback.ipynb #0e8dcd6a
 @patch
 def after_fit(self:MasterMixedPrecision):
     "Put the FP32 model back, equal to the masters (inside a fit: nothing)"
@@ -138,26 +161,26 @@ def after_fit(self:MasterMixedPrecision):
     if fit.nested: fit.nested -= 1
     else: self.end_fit()
 
-# %% ../nbs/03_callback.ipynb #aa6931f1
+# %% ../nbs/03_callback.ipynb #26776c8f
 @patch
 def end_fit(self:MasterMixedPrecision) -> None:
     "Put the FP32 model back, equal to the masters, and drop all the fit held; safe to call twice"
     fit,self.fit_state = self.fit_state,None
     if fit is not None: fit.close()
 
-# %% ../nbs/03_callback.ipynb #0718cb98
+# %% ../nbs/03_callback.ipynb #38a353a2
 @patch
 def after_pred(self:MasterMixedPrecision):
     "Hand FP32 predictions to the loss function"
     if self.fit_state is not None: self.learn.pred = to_float(self.pred)
 
-# %% ../nbs/03_callback.ipynb #8d6988e4
+# %% ../nbs/03_callback.ipynb #6059f877
 @patch
 def before_backward(self:MasterMixedPrecision):
     "Multiply the loss by the scale"
     if self.fit_state is not None: self.learn.loss_grad = self.scaler.scale_loss(self.loss_grad)
 
-# %% ../nbs/03_callback.ipynb #d5a0ed81
+# %% ../nbs/03_callback.ipynb #2b1bfbb0
 @patch
 def after_backward(self:MasterMixedPrecision):
     "Note the backward pass in the gradient lifecycle, and whether DDP all-reduced it"
@@ -165,7 +188,7 @@ def after_backward(self:MasterMixedPrecision):
     fit.masters.backward()
     fit.ranks.after_backward(self.learn.model)
 
-# %% ../nbs/03_callback.ipynb #9f560094
+# %% ../nbs/03_callback.ipynb #591381a5
 @patch
 def before_step(self:MasterMixedPrecision):
     "Move the gradients into the masters, unscale and check them in one pass, read the verdict: skip the step on inf/NaN"
@@ -176,17 +199,17 @@ def before_step(self:MasterMixedPrecision):
     fit.masters.skip()
     try: self.scaler.update(True)
     except NonFiniteGradients as e: # end the fit the orderly way: every `after_fit` runs, then `Learner.fit` raises it
-        self.stopped_by = e
+        self.stopped_by = NonFiniteGradients(f"{e} {fit.weights_note()}")
         raise CancelFitException() from e
     raise CancelStepException()
 
-# %% ../nbs/03_callback.ipynb #c2454a25
+# %% ../nbs/03_callback.ipynb #ac798525
 @patch
 def after_cancel_step(self:MasterMixedPrecision):
     "Drop the gradients of a step another callback cancelled, as fastai's `zero_grad` does"
     if (fit := self.fit_state) is not None and fit.masters.phase is GradPhase.UNSCALED: fit.masters.skip()
 
-# %% ../nbs/03_callback.ipynb #554cc527
+# %% ../nbs/03_callback.ipynb #1bfc8e16
 @patch
 def after_step(self:MasterMixedPrecision):
     "After a step the optimizer took: count it for the scale's growth, copy the stepped masters into the 16-bit weights"
@@ -195,13 +218,13 @@ def after_step(self:MasterMixedPrecision):
     fit.masters.stepped()
     if self.check_drift: self._check_drift()
 
-# %% ../nbs/03_callback.ipynb #fe6a06c1
+# %% ../nbs/03_callback.ipynb #f774ca1d
 @patch
 def after_cancel_batch(self:MasterMixedPrecision):
     "Keep a postponed batch's gradients, scaled, in FP32 for the next step (gradient accumulation)"
     if (fit := self.fit_state) is not None: fit.masters.cancel(self.scaler.scale, keep_in_model=fit.ranks.leave_to_ddp())
 
-# %% ../nbs/03_callback.ipynb #7286797b
+# %% ../nbs/03_callback.ipynb #28339e20
 @patch
 def _check_drift(self:MasterMixedPrecision):
     "Raise if a 16-bit weight differs from its master cast to 16 bits"
@@ -210,29 +233,33 @@ def _check_drift(self:MasterMixedPrecision):
     if n: raise RuntimeError(f"{n} 16-bit weight tensor(s) differ from their FP32 masters cast to {self.dtype}: "
                              "something wrote to the 16-bit model instead of the masters (the optimizer's parameters).")
 
-# %% ../nbs/03_callback.ipynb #722f40a3
+# %% ../nbs/03_callback.ipynb #06493058
 @patch
 def fp32_model(self:MasterMixedPrecision): # A context manager
     "Within this context the model holds its FP32 parameters, even in the middle of a fit"
     return self.fit_state.fp32() if self.fit_state is not None else nullcontext()
 
-# %% ../nbs/03_callback.ipynb #6341601c
+# %% ../nbs/03_callback.ipynb #a94d2540
 @patch
 def plot_loss_scale(self:MasterMixedPrecision,
     ax=None, # Matplotlib axes to draw on; a new figure if None
 ): # The axes
     "Plot the loss scale at each optimizer step, with the skipped steps marked"
     import matplotlib.pyplot as plt
-    hist = self.scaler.history
     if ax is None: _,ax = plt.subplots(figsize=(6, 3))
-    ax.step(range(len(hist)), [s for s,_ in hist], where='post', label='loss scale')
-    skips = [i for i,(_,k) in enumerate(hist) if k]
-    ax.scatter(skips, [hist[i][0] for i in skips], marker='x', color='red', zorder=3, label=f'skipped steps ({len(skips)})')
+    starts,scales,skips = [],[],[] # one point per run of the history, not per step
+    for s,k,n in self.scaler.history.runs:
+        step = starts[-1] + n_prev if starts else 0
+        starts.append(step); scales.append(s); n_prev = n
+        if k: skips += [(step+i, s) for i in range(n)]
+    n_steps = starts[-1] + n_prev if starts else 0
+    ax.step(starts + [n_steps], scales + [self.scaler.scale], where='post', label='loss scale') # ends at the scale now
+    ax.scatter([i for i,_ in skips], [s for _,s in skips], marker='x', color='red', zorder=3, label=f'skipped steps ({len(skips)})')
     ax.set_yscale('log', base=2)
     ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
     return ax
 
-# %% ../nbs/03_callback.ipynb #496b1338
+# %% ../nbs/03_callback.ipynb #0c2cebc2
 from mpcallbacks import learner as _learner # noqa: F401 (`Learner.to_mixed` and the guards)
 from mpcallbacks.scaler import make_scaler # noqa: F401
 

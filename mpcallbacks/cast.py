@@ -11,13 +11,15 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn, Tensor
 from torch.nn.modules.batchnorm import _NormBase
-import warnings
+import copy, warnings
+from functools import partial
 from typing import NamedTuple
+from torch.nn.utils.rnn import PackedSequence
 from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['always_fp32', 'norms_taking_16bit_input', 'keeps_fp32', 'as_16bit_dtype', 'warn_if_slow', 'CastSlot', 'CastPair',
-           'check_castable', 'ModelCast', 'cast_model']
+           'check_castable', 'unmatched_names', 'ModelCast', 'cast_model']
 
 # %% ../nbs/00_cast.ipynb #896f8a4d
 always_fp32 = (_NormBase,)  # BatchNorm*, SyncBatchNorm, InstanceNorm*: their running stats need FP32
@@ -81,6 +83,7 @@ class CastSlot(NamedTuple):
     name:str # The slot's name in the module's `_parameters` or `_buffers`
     copy:Tensor # The 16-bit copy the model holds while cast
     original:Tensor # The FP32 tensor the model holds otherwise
+    key:str = '' # The slot's key in the model's `state_dict`
 
 # %% ../nbs/00_cast.ipynb #01d4209d
 class CastPair(NamedTuple):
@@ -90,7 +93,7 @@ class CastPair(NamedTuple):
 
 # %% ../nbs/00_cast.ipynb #d93147cd
 def _is_16bit(t:Tensor) -> bool: return t.dtype in (torch.float16, torch.bfloat16)
-def _qual(prefix, name): return f'{prefix}.{name}' if prefix else name
+def _qual(*parts): return '.'.join(p for p in parts if p)
 
 def _ancestors(model, name):
     "`(name, module)` of `name`'s module and each module above it"
@@ -101,6 +104,11 @@ def _kept_tops(model, keep) -> list:
     "The outermost modules that stay in FP32"
     return [m for n,m in model.named_modules() if keeps_fp32(n, m, keep)
             and not any(keeps_fp32(a, am, keep) for a,am in _ancestors(model, n)[:-1])]
+
+def _named_slots(model, top) -> list:
+    "`(qualified name, parameter)` of every parameter slot under the module `top` of `model`, shared ones included"
+    prefix = next(n for n,m in model.named_modules() if m is top)
+    return [(_qual(prefix, name, n), p) for name,m in top.named_modules() for n,p in m._parameters.items() if p is not None]
 
 def _cast_plan(model, keep) -> tuple:
     "The kept top modules, and `(qualified name, module, slot name, parameter)` of each parameter slot to cast"
@@ -117,22 +125,46 @@ def check_castable(
     keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
 ) -> None:
     "Raise, naming the parameter, if `model` cannot be trained as 16-bit copies of FP32 masters"
+    lazy = [n for n,p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy: raise ValueError(f"Parameter `{lazy[0]}` is not initialized yet (a lazy module, {len(lazy)} such in all): its "
+                              "size is known only after a first forward. Run one batch through the model before "
+                              "`to_mixed()`, e.g. `learn.model(*learn.dls.one_batch()[:learn.dls.n_inp])`.")
+    odd = [(n,p.dtype) for n,p in model.named_parameters() if p.is_complex() or (p.is_floating_point() and p.dtype == torch.float64)]
+    if odd: raise ValueError(f"Parameter `{odd[0][0]}` is {odd[0][1]}: mixed precision trains float32 parameters, as 16-bit "
+                             "copies of float32 masters. Convert it to float32, or train this model without `to_mixed()`.")
     if not any(p.is_floating_point() for p in model.parameters()):
         raise ValueError("The model has no floating-point parameters: there is nothing to train in mixed precision.")
     half = [(n,p.dtype) for n,p in model.named_parameters() if _is_16bit(p)]
     if half: raise ValueError(f"The model already has 16-bit parameters (`{half[0][0]}` is already {half[0][1]}, {len(half)} "
                               "in all): mixed precision casts a FP32 model itself and keeps FP32 masters. Call "
                               "`learn.model.float()` first.")
-    if not _cast_plan(model, keep)[1]:
-        raise ValueError("No parameter to cast: every floating-point layer is kept in FP32 (see `keep_fp32`).")
+    kept_tops,plan = _cast_plan(model, keep)
+    if not plan: raise ValueError("No parameter to cast: every floating-point layer is kept in FP32 (see `keep_fp32`).")
+    kept = {id(p):n for m in kept_tops for n,p in _named_slots(model, m)}
+    kept_mods = {id(m_) for m in kept_tops for m_ in m.modules()}
+    shared = [(_qual(name, n), kept[id(p)]) for name,m in model.named_modules() if id(m) not in kept_mods
+              for n,p in m._parameters.items() if p is not None and id(p) in kept]
+    if shared: raise ValueError(f"Parameter `{shared[0][0]}` is also `{shared[0][1]}`, in a layer kept in FP32: one tensor "
+                                "cannot be 16-bit in one layer and FP32 in the other. Untie them, or keep both layers in "
+                                "FP32 with `keep_fp32`.")
 
-# %% ../nbs/00_cast.ipynb #a1aa43a2
+# %% ../nbs/00_cast.ipynb #ec209338
+def unmatched_names(
+    model:nn.Module, # The model
+    keep:tuple, # Types and name patterns of modules that stay in FP32
+) -> list: # The patterns that match no module name
+    "The name patterns in `keep` that match no module of `model`"
+    names = [n for n,_ in model.named_modules()]
+    return [k for k in keep if isinstance(k, str) and not any(fnmatchcase(n, k) for n in names)]
+
+# %% ../nbs/00_cast.ipynb #c108b8f1
 @dataclass
 class ModelCast:
     "Record of a model's tensors swapped for 16-bit copies: `uncast`, `recast` or `restore` them"
     params:list = field(default_factory=list)  # A `CastSlot` per parameter slot
     buffers:list = field(default_factory=list) # A `CastSlot` per buffer slot
     hooks:list = field(default_factory=list)   # Handles of the dtype hooks, while cast
+    state_hooks:list = field(default_factory=list) # Handles of the state-dict hooks, from the cast to `restore`
     kept:list = field(default_factory=list)    # The outermost modules kept in FP32
     model:nn.Module|None = None
     dtype:torch.dtype = torch.float16
@@ -148,7 +180,7 @@ class ModelCast:
         "The device of the cast model (of its first cast tensor, for a model spread over several)"
         return (self.params or self.buffers)[0].copy.device
 
-# %% ../nbs/00_cast.ipynb #9fe3007e
+# %% ../nbs/00_cast.ipynb #5d6307e0
 @patch
 def _put(self:ModelCast, side:str) -> None:
     "Put the `side` ('copy' or 'original') of every slot into its module, all or none"
@@ -173,7 +205,7 @@ def copies_differ(self:ModelCast,
     dev = slots[0].copy.device # one sync, also for a model spread over several devices
     return torch.stack([(s.copy != s.original.to(s.copy.dtype)).any().to(dev) for s in slots]).tolist()
 
-# %% ../nbs/00_cast.ipynb #764ff822
+# %% ../nbs/00_cast.ipynb #f58ecdc4
 @patch
 def sync_copies(self:ModelCast) -> None:
     "Copy the originals' values into the 16-bit copies (parameters and buffers)"
@@ -181,54 +213,105 @@ def sync_copies(self:ModelCast) -> None:
         for ts in (self.pairs, self.buffers):
             if ts: torch._foreach_copy_([s.copy for s in ts], [s.original for s in ts])
 
-# %% ../nbs/00_cast.ipynb #e5ed3279
+# %% ../nbs/00_cast.ipynb #c9d1230f
 @patch
 def uncast(self:ModelCast) -> None:
     "Put the FP32 originals in the model; buffers that training changed give their new value to the originals"
-    if not self.cast: return
-    changed = self.copies_differ(self.buffers)
-    with torch.no_grad():
-        for s,c in zip(self.buffers, changed):
-            if c: s.original.copy_(s.copy)
-    self._put('original')
+    if self.cast:
+        changed = self.copies_differ(self.buffers)
+        with torch.no_grad():
+            for s,c in zip(self.buffers, changed):
+                if c: s.original.copy_(s.copy)
+    self._put('original') # even when not `cast`: a recast interrupted after its swap has put the copies in
     for h in self.hooks: h.remove()
     self.hooks,self.cast = [],False
 
-# %% ../nbs/00_cast.ipynb #b5a94c3c
+# %% ../nbs/00_cast.ipynb #24747ec0
 @patch
 def recast(self:ModelCast) -> None:
     "Copy the originals' values into the 16-bit copies and put those in the model again"
     if self.cast: return
     self.sync_copies()
-    self._put('copy')
-    self.hooks,self.cast = _hook_dtypes(self.model, self.dtype, self.kept),True
+    self._swap_in()
 
-# %% ../nbs/00_cast.ipynb #b6fa5307
+@patch
+def _swap_in(self:ModelCast) -> None:
+    "Put the copies and the dtype hooks in, all or none"
+    try:
+        _hook_dtypes(self.model, self.dtype, self.kept, self.hooks)
+        self._put('copy')
+    except BaseException:
+        for h in self.hooks: h.remove()
+        self.hooks = []
+        raise
+    self.cast = True
+
+# %% ../nbs/00_cast.ipynb #e267956f
 @patch
 def restore(self:ModelCast) -> None:
     "Put the FP32 originals back for good, without the hooks"
     self.uncast()
-    self.params,self.buffers,self.kept,self.model = [],[],[],None
+    for h in self.state_hooks: h.remove()
+    self.params,self.buffers,self.kept,self.model,self.state_hooks = [],[],[],None,[]
 
-# %% ../nbs/00_cast.ipynb #27cfc3e0
+# %% ../nbs/00_cast.ipynb #c54af7bf
 def _to(x, dtype):
-    "`x` with its floating-point tensors (in tuples, lists and dicts too) cast to `dtype`"
+    "`x` with its floating-point tensors cast to `dtype`, in containers kept as they are (namedtuple, `PackedSequence`, subclasses)"
     if isinstance(x, Tensor): return x.to(dtype) if x.is_floating_point() else x
-    if isinstance(x, (tuple, list)): return type(x)(_to(o, dtype) for o in x)
-    if isinstance(x, dict): return {k:_to(v, dtype) for k,v in x.items()}
+    if isinstance(x, PackedSequence): return x._replace(data=_to(x.data, dtype)) # its sizes and indices stay int64
+    if isinstance(x, tuple) and hasattr(x, '_fields'): return type(x)._make([_to(o, dtype) for o in x])
+    if isinstance(x, tuple): return type(x)([_to(o, dtype) for o in x])
+    if isinstance(x, (list, dict)): # a copy of the same class (an `OrderedDict` subclass stays one), values cast
+        res = copy.copy(x)
+        for k in (range(len(x)) if isinstance(x, list) else x): res[k] = _to(x[k], dtype)
+        return res
     return x
 
-def _hook_dtypes(model, dtype, kept_tops) -> list:
+def _hook_dtypes(model, dtype, kept_tops, into:list) -> list:
     def to_16(m, args, kwargs): return _to(args, dtype),_to(kwargs, dtype)
     def in_32(m, args, kwargs): return _to(args, torch.float32),_to(kwargs, torch.float32)
     def out_16(m, args, out): return _to(out, dtype)
-    hooks = [model.register_forward_pre_hook(to_16, with_kwargs=True)]
+    # Each handle goes into `into` as soon as it exists, so an interrupt part way leaves none unaccounted for.
+    into.append(model.register_forward_pre_hook(to_16, with_kwargs=True))
     for m in kept_tops:
         if isinstance(m, norms_taking_16bit_input): continue
-        hooks += [m.register_forward_pre_hook(in_32, with_kwargs=True), m.register_forward_hook(out_16)]
-    return hooks
+        into.append(m.register_forward_pre_hook(in_32, with_kwargs=True))
+        into.append(m.register_forward_hook(out_16))
+    return into
 
-# %% ../nbs/00_cast.ipynb #97ccdca5
+# %% ../nbs/00_cast.ipynb #f6600179
+@patch
+def _hook_state_dicts(self:ModelCast) -> None:
+    m = self.model
+    post_hook = getattr(m, 'register_state_dict_post_hook', None) or m._register_state_dict_hook # public from torch 2.5
+    # torch marks its hooks with an attribute, which a bound method cannot take: partials can
+    self.state_hooks = [post_hook(partial(ModelCast._fp32_state, self)),
+                        m.register_load_state_dict_pre_hook(partial(ModelCast._before_load, self)),
+                        m.register_load_state_dict_post_hook(partial(ModelCast._after_load, self))]
+
+@patch
+def _fp32_state(self:ModelCast, module, state_dict, prefix, local_metadata):
+    "While cast, the model's state dict holds the FP32 originals"
+    if not self.cast: return
+    changed = dict(zip(map(id, self.buffers), self.copies_differ(self.buffers)))
+    for s in self.params + self.buffers:
+        k = prefix + s.key
+        if k not in state_dict: continue
+        if changed.get(id(s)): state_dict[k] = s.copy.float()
+        else: state_dict[k] = s.original if isinstance(state_dict[k], nn.Parameter) else s.original.detach()
+
+@patch
+def _before_load(self:ModelCast, module, *args):
+    "While cast, loading writes into the FP32 originals"
+    self._reload = self.cast
+    if self._reload: self.uncast()
+
+@patch
+def _after_load(self:ModelCast, module, incompatible_keys):
+    if getattr(self, '_reload', False): self.recast()
+    self._reload = False
+
+# %% ../nbs/00_cast.ipynb #312c48ff
 def cast_model(
     model:nn.Module, # The FP32 model to cast
     dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`
@@ -240,11 +323,11 @@ def cast_model(
     res,copies = ModelCast(kept=kept_tops, model=model, dtype=dtype, cast=False),{}
     kept_mods = {id(m_) for m in kept_tops for m_ in m.modules()}
     with torch.no_grad():
-        for _,m,n,p in plan:
+        for q,m,n,p in plan:
             if id(p) not in copies: copies[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-            res.params.append(CastSlot(m, n, copies[id(p)], p))
-        res.buffers = [CastSlot(m, n, b.to(dtype), b) for m in model.modules() if id(m) not in kept_mods
+            res.params.append(CastSlot(m, n, copies[id(p)], p, q))
+        res.buffers = [CastSlot(m, n, b.to(dtype), b, _qual(name, n)) for name,m in model.named_modules() if id(m) not in kept_mods
                        for n,b in m._buffers.items() if b is not None and b.is_floating_point()]
-    res._put('copy')
-    res.hooks,res.cast = _hook_dtypes(model, dtype, kept_tops),True
+    res._swap_in()
+    res._hook_state_dicts()
     return res

@@ -66,7 +66,7 @@ class InjectNonFinite(Callback):
         if self.step in self.at: next(p for p in self.model.parameters() if p.grad is not None).grad.view(-1)[0] = self.value
         self.step += 1
 
-# %% ../nbs/97_test_utils.ipynb #73faa63e
+# %% ../nbs/97_test_utils.ipynb #8c9e5384
 sync_methods = ('item', '__bool__', '__float__', '__int__', 'tolist') # each copies a device value to the host
 
 @contextmanager

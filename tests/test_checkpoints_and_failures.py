@@ -32,7 +32,7 @@ def test_save_during_and_after_fit_stores_fp32_masters(tmp_path, with_opt):
         assert all(v.dtype == torch.float32 for v in params)
         assert all(torch.equal(a, b) for a, b in zip(params, masters)) # exactly the masters
         assert not_16bit_exact(params)
-        if with_opt: assert sd['opt']['mpcallbacks.loss_scaler'] == {'scale': 2.**8, 'growth_tracker': 8*(epoch+1)-1, 'skipped': 1, 'consecutive_skips': 0}
+        if with_opt: assert sd['opt']['mpcallbacks.loss_scaler'] == {'scale': 2.**8, 'growth_tracker': 8*(epoch+1)-1, 'skipped': 1, 'consecutive_skips': 0, 'dynamic': True, 'growth_interval': 2000}
     learn.save('after', with_opt=False)
     sd = torch.load(tmp_path/'models'/'after.pth', weights_only=True)
     assert all(torch.equal(v, p.detach()) for v, p in zip([v for k, v in sd.items() if 'running' not in k and 'num' not in k], learn.model.parameters()))
@@ -46,7 +46,7 @@ def test_save_load_with_opt_round_trips_masters_opt_and_scaler(tmp_path):
     other.load('ck', with_opt=True)
     assert all(torch.equal(a, b.detach()) for a, b in zip(w, other.model.parameters()))
     assert_same_state(opt_sd['state'], other.opt.state_dict()['state'])
-    assert other.master_mixed_precision.scaler.state_dict() == sc == {'scale': 2.**9, 'growth_tracker': 2, 'skipped': 1, 'consecutive_skips': 0}
+    assert other.master_mixed_precision.scaler.state_dict() == sc == {'scale': 2.**9, 'growth_tracker': 2, 'skipped': 1, 'consecutive_skips': 0, 'dynamic': True, 'growth_interval': 3}
 
 def test_checkpoint_loads_without_mpcallbacks(tmp_path):
     learn = synth_learner(path=tmp_path).to_mixed(); learn.fit(1, 1e-2); learn.save('ck', with_opt=True)
@@ -229,8 +229,6 @@ def test_plot_loss_scale_marks_skips():
     learn = synth_learner().to_mixed(init_scale=2.**10, growth_interval=2)
     learn.fit(1, 1e-2, cbs=InjectNonFinite(at=[1, 5]))
     ax = learn.master_mixed_precision.plot_loss_scale()
-    line, = ax.get_lines()
-    assert list(line.get_ydata()) == [s for s, _ in learn.master_mixed_precision.scaler.history]
     assert ax.collections[0].get_offsets().tolist() == [[1, 2.**10], [5, 2.**10]]
     assert learn.recorder.metric_names == ['epoch', 'train_loss', 'valid_loss', 'accuracy', 'time'] # fastai's columns unchanged
 

@@ -1,0 +1,77 @@
+"The invariant every path must keep: after any call returns or raises, the learner holds an FP32 model that its optimizer steps, no hook of ours, no lock, and the next fit trains every layer."
+import threading
+import torch
+from fastai.basics import Callback
+from mpcallbacks.test_utils import opt_params
+
+def hook_ids(model) -> dict:
+    "Each submodule's forward and forward-pre hook ids: compare before and after to find hooks left behind"
+    return {n:(list(m._forward_pre_hooks), list(m._forward_hooks)) for n,m in model.named_modules()}
+
+def run_or_timeout(f, *args, timeout=60, **kwargs):
+    "Call `f` in a daemon thread, so that a call blocked on `learn.lock` fails the test instead of hanging it"
+    res = {}
+    def target():
+        try: res['value'] = f(*args, **kwargs)
+        except BaseException as e: res['error'] = e # KeyboardInterrupt too: re-raised in the test's thread
+    t = threading.Thread(target=target, daemon=True)
+    t.start(); t.join(timeout)
+    assert not t.is_alive(), f"`{getattr(f, '__name__', f)}` still running after {timeout}s: blocked (is learn.lock held?)"
+    if 'error' in res: raise res['error']
+    return res.get('value')
+
+def split_params(learn) -> list:
+    "What `learn.create_opt` gives the optimizer: the splitter's parameters, flattened"
+    groups = learn.splitter(learn.model)
+    groups = [groups] if isinstance(next(iter(groups), None), torch.Tensor) else groups
+    return [p for g in groups for p in g]
+
+def not_fp32(model) -> list:
+    "Names of the floating-point parameters and buffers of `model` that are not float32"
+    return [n for n,t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+            if t.is_floating_point() and t.dtype != torch.float32]
+
+def assert_at_rest(learn, hooks=None):
+    "FP32 model, optimizer on the model's own tensors, no leftover hook, lock free"
+    bad = not_fp32(learn.model)
+    assert not bad, f"tensors left in 16 bits: {bad}"
+    if getattr(learn, 'opt', None) is not None:
+        got, want = opt_params(learn), split_params(learn)
+        assert len(got) == len(want) and all(a is b for a, b in zip(got, want)), \
+            "the optimizer does not step the model's own parameters"
+    got = list(learn.parameters()) # fastai forwards this to the model (GradientClip reads it)
+    want = list(learn.model.parameters())
+    assert len(got) == len(want) and all(a is b for a, b in zip(got, want)), "learn.parameters() is not the model's"
+    now = hook_ids(learn.model)
+    before = hooks if hooks is not None else {n:([], []) for n in now}
+    left = {n:h for n,h in now.items() if h != before.get(n, ([], []))}
+    assert not left, f"hooks left on {sorted(left)}"
+    assert learn.lock.acquire(blocking=False), "learn.lock is still held: the next get_preds/validate would hang"
+    learn.lock.release()
+
+def assert_fp32_and_intact(learn, hooks=None, fit=True, lr=1e-3):
+    "`assert_at_rest`, then the next `fit(1)` moves every trainable parameter and leaves the learner at rest again"
+    assert_at_rest(learn, hooks)
+    if not fit: return
+    before = [(n, p.detach().clone()) for n,p in learn.model.named_parameters() if p.requires_grad]
+    run_or_timeout(learn.fit, 1, lr)
+    now = dict(learn.model.named_parameters())
+    still = [n for n,p0 in before if torch.equal(p0, now[n].detach().float())]
+    assert not still, f"the next fit did not train {still}"
+    assert all(torch.isfinite(p).all() for p in learn.model.parameters()), "the next fit gave non-finite weights"
+    assert_at_rest(learn, hooks)
+
+def moved(before, after) -> bool:
+    "Whether a weight changed by more than rounding it to 16 bits could explain"
+    return not torch.allclose(before.float(), after.detach().float(), rtol=2**-7, atol=1e-7)
+
+class RaiseOnce(Callback):
+    "Raise `exc` the first time `event` fires (then never again, so the learner stays usable)"
+    def __init__(self, event, exc, order=None):
+        self.exc, self.done = exc, False
+        if order is not None: self.order = order
+        setattr(self, event, self._raise)
+    def _raise(self):
+        if self.done: return
+        self.done = True
+        raise self.exc

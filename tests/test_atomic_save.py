@@ -1,0 +1,80 @@
+"`learn.save` and `learn.export` replace a good file atomically: a failure or a SIGKILL part way through leaves the previous file intact."
+import os, random, signal, subprocess, sys, textwrap, time
+import pytest, torch
+from fastai.basics import load_learner
+from mpcallbacks.test_utils import synth_learner
+from test_entry_points import block_learner
+from intact import assert_fp32_and_intact, hook_ids
+
+def partial_write_then_disk_full(obj, f, *args, **kwargs):
+    "What torch.save does when the disk fills up: some bytes written to its target, then an error"
+    data = b'PK\x03\x04' + b'\0' * 1000
+    if hasattr(f, 'write'): f.write(data)
+    else:
+        with open(f, 'wb') as fh: fh.write(data)
+    raise OSError(28, 'No space left on device')
+
+def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    learn = synth_learner(path=tmp_path).to_mixed(torch.bfloat16)
+    hooks = hook_ids(learn.model)
+    learn.fit(1, 1e-2)
+    learn.save('ck', with_opt=True)
+    good = [p.detach().clone() for p in learn.model.parameters()]
+    learn.fit(1, 1e-2)
+    monkeypatch.setattr(torch, 'save', partial_write_then_disk_full)
+    with pytest.raises(OSError): learn.save('ck', with_opt=True)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path/'models')) == ['ck.pth'], "a temporary file was left behind"
+    other = synth_learner(path=tmp_path, seed=1).to_mixed(torch.bfloat16)
+    other.load('ck', with_opt=True)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(good, other.model.parameters()))
+    assert_fp32_and_intact(learn, hooks)
+
+def test_failed_export_leaves_the_previous_export_intact(tmp_path, monkeypatch):
+    learn = block_learner().to_mixed(torch.bfloat16)
+    learn.path = tmp_path
+    learn.fit(1, 1e-2)
+    learn.export('export.pkl')
+    good = [p.detach().clone() for p in learn.model.parameters()]
+    learn.fit(1, 1e-2)
+    monkeypatch.setattr(torch, 'save', partial_write_then_disk_full)
+    with pytest.raises(OSError): learn.export('export.pkl')
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ['export.pkl'], "a temporary file was left behind"
+    loaded = load_learner(tmp_path/'export.pkl')
+    assert all(torch.equal(a, b.detach()) for a, b in zip(good, loaded.model.parameters()))
+
+saver = textwrap.dedent('''
+    import sys, torch
+    torch.set_num_threads(1)
+    from torch import nn
+    from fastai.basics import Learner, DataLoaders, MSELossFlat
+    from mpcallbacks.all import *
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1000, 4000), nn.Linear(4000, 1)) # 16 MB of FP32 weights
+    ds = [(torch.zeros(1000), torch.zeros(1))]
+    learn = Learner(DataLoaders.from_dsets(ds, ds, bs=1), model, loss_func=MSELossFlat(), path=sys.argv[1]).to_mixed(torch.bfloat16)
+    learn.save('ck', with_opt=False) # the good checkpoint
+    print('ready', flush=True)
+    while True: learn.save('ck', with_opt=False) # the same weights, over and over
+''')
+
+def test_sigkill_during_save_never_leaves_an_unloadable_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1000, 4000), torch.nn.Linear(4000, 1))
+    expected = model.state_dict()
+    script = tmp_path/'saver.py'; script.write_text(saver)
+    rng = random.Random(0)
+    dirs = [tmp_path/f'run{i}' for i in range(3)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(d)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for d in dirs]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == 'ready'
+            time.sleep(rng.uniform(0.05, 0.5)) # a random moment among the saves
+            p.send_signal(signal.SIGKILL); p.wait()
+    finally:
+        for p in procs:
+            if p.poll() is None: p.kill(); p.wait()
+    for d in dirs:
+        sd = torch.load(d/'models'/'ck.pth', weights_only=True) # raises on a truncated file
+        assert sd.keys() == expected.keys() and all(torch.equal(sd[k], expected[k]) for k in sd)

@@ -1,0 +1,138 @@
+"Casting and re-casting either complete or leave the model exactly as it was: a lazy layer, an out-of-memory part way, a Ctrl-C during the re-cast after a mid-fit save."
+from contextlib import contextmanager
+import pytest, torch
+from torch import nn, Tensor
+from torch.overrides import TorchFunctionMode
+from fastai.basics import Learner, Callback, CrossEntropyLossFlat
+from fastai.callback.progress import ProgressCallback
+from mpcallbacks.all import cast_model, MasterMixedPrecision
+from mpcallbacks.test_utils import synth_dls, synth_learner
+from intact import assert_fp32_and_intact, hook_ids, run_or_timeout
+
+half_types = (torch.float16, torch.bfloat16)
+
+def tensors(model): return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
+def snapshot(model):
+    "Each parameter and buffer object with a copy of its value, and the hooks"
+    lazy = nn.parameter.UninitializedTensorMixin
+    return dict(ts=[(n, t, None if isinstance(t, lazy) else t.detach().clone()) for n, t in tensors(model)], hooks=hook_ids(model))
+
+def assert_exactly_as_before(model, snap):
+    now = tensors(model)
+    assert [n for n, _ in now] == [n for n, _, _ in snap['ts']]
+    replaced = [n for (n, t), (_, t0, _) in zip(now, snap['ts']) if t is not t0]
+    assert not replaced, f"tensor objects replaced: {replaced}"
+    changed = [n for (n, t), (_, _, v) in zip(now, snap['ts']) if v is not None and not torch.equal(t.detach(), v)]
+    assert not changed, f"values changed: {changed}"
+    in16 = [n for n, t in now if t.dtype in half_types]
+    assert not in16, f"16-bit tensors left: {in16}"
+    assert hook_ids(model) == snap['hooks'], "hooks left behind"
+
+# ---- a lazy layer after a normal one: refused at to_mixed, naming the parameter, and nothing touched
+
+def test_lazy_parameter_is_refused_at_to_mixed_and_model_untouched():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.LazyLinear(2))
+    learn = Learner(synth_dls(), model, loss_func=CrossEntropyLossFlat())
+    learn.remove_cb(ProgressCallback)
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r'3\.(weight|bias)'): learn.to_mixed(torch.bfloat16)
+    assert not any(isinstance(c, MasterMixedPrecision) for c in learn.cbs)
+    assert_exactly_as_before(model, snap)
+    run_or_timeout(learn.fit, 1, 1e-2) # plain fastai trains this model
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
+
+# ---- out of memory part way through the cast
+
+class OOMTensor(Tensor):
+    "A tensor whose every operation that involves a 16-bit tensor or dtype fails as an out-of-memory would, while armed"
+    armed = False
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if cls.armed and cls.involves_16bit(args, kwargs): raise RuntimeError('CUDA out of memory (injected)')
+        res = super().__torch_function__(func, types, args, kwargs)
+        if cls.armed and cls.involves_16bit([res], {}): raise RuntimeError('CUDA out of memory (injected)')
+        return res
+    @staticmethod
+    def involves_16bit(args, kwargs):
+        with torch._C.DisableTorchFunctionSubclass():
+            flat = [o for a in [*args, *kwargs.values()] for o in (a if isinstance(a, (list, tuple)) else [a])]
+            return any((isinstance(o, Tensor) and o.dtype in half_types) or o in half_types for o in flat)
+
+@contextmanager
+def out_of_memory():
+    OOMTensor.armed = True
+    try: yield
+    finally: OOMTensor.armed = False
+
+class Scale(nn.Module):
+    def __init__(self): super().__init__(); self.register_buffer('s', torch.ones(16))
+    def forward(self, x): return x * self.s
+
+def oom_model(where):
+    "Layers cast before the fault, the fault (on a parameter or on a buffer), layers after it"
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), Scale(), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 2))
+    if where == 'parameter': m[4].weight = nn.Parameter(OOMTensor(m[4].weight.detach().clone()))
+    else: m[2].s = OOMTensor(m[2].s.clone())
+    return m
+
+@pytest.mark.parametrize('where', ['parameter', 'buffer'])
+def test_cast_model_out_of_memory_part_way_leaves_model_as_before(where):
+    model = oom_model(where)
+    snap = snapshot(model)
+    with out_of_memory(), pytest.raises(RuntimeError, match='out of memory'): cast_model(model, torch.bfloat16)
+    assert_exactly_as_before(model, snap)
+    assert model(torch.randn(2, 1, 8, 8)).dtype == torch.float32 # a working FP32 model
+
+@pytest.mark.parametrize('where', ['parameter', 'buffer'])
+def test_fit_out_of_memory_while_casting_leaves_learner_intact(where):
+    model = oom_model(where)
+    learn = Learner(synth_dls(), model, loss_func=CrossEntropyLossFlat()).to_mixed(torch.bfloat16)
+    learn.remove_cb(ProgressCallback)
+    snap = snapshot(model)
+    with out_of_memory(), pytest.raises(RuntimeError, match='out of memory'): run_or_timeout(learn.fit, 1, 1e-2)
+    assert_exactly_as_before(model, snap)
+    assert_fp32_and_intact(learn, snap['hooks']) # once memory is there, training works
+
+# ---- Ctrl-C during the re-cast that follows a mid-fit learn.save
+
+class FaultWindow(TorchFunctionMode):
+    "Count every torch call (and hook registration) from the end of `torch.save` to the end of `learn.save`; raise KeyboardInterrupt at the k-th"
+    def __init__(self, k): super().__init__(); self.k, self.n, self.fired, self.open = k, 0, False, False
+    def point(self):
+        if not self.open or self.fired: return
+        self.n += 1
+        if self.n == self.k: self.fired = True; raise KeyboardInterrupt
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.point()
+        return func(*args, **(kwargs or {}))
+
+@pytest.mark.parametrize('k', range(1, 7))
+def test_ctrl_c_during_recast_after_mid_fit_save_leaves_learner_intact(tmp_path, monkeypatch, k):
+    learn = synth_learner(path=tmp_path).to_mixed(torch.bfloat16)
+    hooks = hook_ids(learn.model)
+    window = FaultWindow(k)
+    real_save = torch.save
+    def save(*args, **kwargs):
+        real_save(*args, **kwargs)
+        window.open = True
+    monkeypatch.setattr(torch, 'save', save)
+    for name in ('register_forward_pre_hook', 'register_forward_hook'):
+        real = getattr(nn.Module, name)
+        def register(self, *args, _real=real, **kwargs): window.point(); return _real(self, *args, **kwargs)
+        monkeypatch.setattr(nn.Module, name, register)
+    class SaveMidFit(Callback):
+        order = 90
+        def after_epoch(self):
+            if self.epoch != 0: return
+            with window:
+                try: self.learn.save('mid', with_opt=True)
+                finally: window.open = False
+    try: run_or_timeout(learn.fit, 2, 1e-2, cbs=SaveMidFit()); raised = False
+    except KeyboardInterrupt: raised = True
+    assert raised == window.fired, f"Ctrl-C at window point {k} (fired: {window.fired}) {'was swallowed' if window.fired else 'invented'}"
+    monkeypatch.undo()
+    assert_fp32_and_intact(learn, hooks)

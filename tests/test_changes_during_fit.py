@@ -1,0 +1,74 @@
+"Changes a callback makes during a fit: a new optimizer, removing mixed precision, writing or reading the model's state."
+import copy
+import pytest, torch
+from fastai.basics import Callback
+from mpcallbacks.all import MasterMixedPrecision
+from mpcallbacks.test_utils import synth_learner, opt_params
+from intact import assert_fp32_and_intact, hook_ids, run_or_timeout
+
+# ---- learn.create_opt() between epochs: the new optimizer steps the FP32 tensors and the cast layers keep training
+
+class NewOptimizerAfterEpoch0(Callback):
+    order = 90
+    def __init__(self): self.snap, self.stepped = None, set()
+    def after_epoch(self):
+        if self.epoch != 0: return
+        self.learn.create_opt()
+        names = [n for n, _ in self.learn.model.named_parameters()]
+        self.snap = {n:p.detach().float().clone() for n, p in zip(names, opt_params(self.learn))} # what the new optimizer steps
+    def after_step(self):
+        if self.epoch == 1: self.stepped |= {p.dtype for p in opt_params(self.learn)}
+
+def test_create_opt_mid_fit_keeps_training_the_fp32_tensors():
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    hooks = hook_ids(learn.model)
+    cb = NewOptimizerAfterEpoch0()
+    run_or_timeout(learn.fit, 2, 1e-2, cbs=cb)
+    assert cb.stepped == {torch.float32}, f"the new optimizer steps {cb.stepped} tensors"
+    now = dict(learn.model.named_parameters())
+    weights = [n for n, p in now.items() if p.dim() > 1] # the cast layers' weight matrices: they must keep training
+    still = [n for n in weights if torch.equal(cb.snap[n], now[n].detach())]
+    assert not still, f"stopped training after create_opt: {still}"
+    assert_fp32_and_intact(learn, hooks)
+
+# ---- to_unmixed() or remove_cb inside a fit: the fit ends with the FP32 model
+
+@pytest.mark.parametrize('how', ['to_unmixed', 'remove_cb'])
+def test_removing_mixed_precision_mid_fit_ends_fp32(how):
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    hooks = hook_ids(learn.model)
+    class Remove(Callback):
+        order = 90
+        def after_epoch(self):
+            if self.epoch != 0: return
+            if how == 'to_unmixed': self.learn.to_unmixed()
+            else: self.learn.remove_cb(self.learn.master_mixed_precision)
+    run_or_timeout(learn.fit, 2, 1e-2, cbs=Remove())
+    assert not any(isinstance(c, MasterMixedPrecision) for c in learn.cbs)
+    assert_fp32_and_intact(learn, hooks)
+
+# ---- snapshots of the model's state during a fit are the FP32 masters, and loading one at after_fit sticks
+
+class SnapshotAndRestore(Callback):
+    "Restore-best / EMA style: snapshot at the end of epoch 0, load it back at after_fit"
+    order = MasterMixedPrecision.order - 1
+    def after_epoch(self):
+        if self.epoch != 0: return
+        self.snap = copy.deepcopy(self.learn.model.state_dict())
+        names = [n for n, _ in self.learn.model.named_parameters()]
+        self.masters = {n:p.detach().clone() for n, p in zip(names, opt_params(self.learn))} # the optimizer's tensors now
+    def after_fit(self): self.learn.model.load_state_dict(self.snap)
+
+def test_state_dict_snapshot_mid_fit_is_fp32_masters_and_loading_it_at_after_fit_sticks():
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    hooks = hook_ids(learn.model)
+    cb = SnapshotAndRestore()
+    run_or_timeout(learn.fit, 2, 1e-2, cbs=cb)
+    dtypes = {k:v.dtype for k, v in cb.snap.items() if v.is_floating_point()}
+    assert set(dtypes.values()) == {torch.float32}, f"the snapshot holds {dtypes}"
+    wrong = [n for n, m in cb.masters.items() if not torch.equal(cb.snap[n], m)]
+    assert not wrong, f"snapshot differs from the FP32 masters at that moment: {wrong}"
+    now = learn.model.state_dict()
+    lost = [k for k, v in cb.snap.items() if not torch.equal(now[k], v.to(now[k].dtype)) or now[k].dtype != v.dtype]
+    assert not lost, f"the snapshot loaded at after_fit was overwritten: {lost}"
+    assert_fp32_and_intact(learn, hooks)

@@ -1,0 +1,87 @@
+"The input cast keeps every container type intact: namedtuples (two fields and one), PackedSequence into an RNN, OrderedDict subclasses."
+from collections import namedtuple, OrderedDict
+import pytest, torch
+from torch import nn, Tensor
+from torch.nn.utils.rnn import pack_padded_sequence, PackedSequence
+from fastai.basics import Learner, Callback, CrossEntropyLossFlat
+from fastai.learner import CastToTensor
+from fastai.callback.progress import ProgressCallback
+from mpcallbacks.all import cast_model
+from mpcallbacks.test_utils import synth_dls
+from intact import assert_fp32_and_intact, hook_ids, run_or_timeout
+
+Pair = namedtuple('Pair', 'x mask')
+Single = namedtuple('Single', 'x')
+class Features(OrderedDict): "An OrderedDict subclass, as some libraries return"
+
+def lengths(bs): return 8 - torch.arange(bs) % 5
+
+containers = {
+    'namedtuple2': lambda x: Pair(x, torch.ones(x.shape[0], 2)),
+    'namedtuple1': lambda x: Single(x),
+    'PackedSequence': lambda x: pack_padded_sequence(x[:, 0], lengths(x.shape[0]), batch_first=True, enforce_sorted=False),
+    'OrderedDict_subclass': lambda x: Features(x=x),
+}
+
+class Net(nn.Module):
+    "Takes one container and records what it received"
+    def __init__(self, kind):
+        super().__init__(); self.kind, self.seen = kind, []
+        if kind == 'PackedSequence': self.lstm = nn.LSTM(8, 16, batch_first=True)
+        self.lin = nn.Linear(16 if kind == 'PackedSequence' else 64, 2)
+    def forward(self, inp):
+        self.seen.append(inp)
+        del self.seen[:-1] # the last input is enough
+        if self.kind == 'namedtuple2': return self.lin(inp.x.flatten(1)) * inp.mask
+        if self.kind == 'namedtuple1': return self.lin(inp.x.flatten(1))
+        if self.kind == 'OrderedDict_subclass': return self.lin(inp['x'].flatten(1))
+        _, (h, _) = self.lstm(inp)
+        return self.lin(h[-1])
+
+def floats(inp):
+    if isinstance(inp, PackedSequence): return [inp.data]
+    return list(inp.values()) if isinstance(inp, dict) else list(inp)
+
+def assert_received(inp, sent, dtype):
+    assert type(inp) is type(sent), f"the model received {type(inp).__name__}, not {type(sent).__name__}"
+    assert all(isinstance(t, Tensor) and t.dtype == dtype for t in floats(inp)), [type(t) for t in floats(inp)]
+    if isinstance(sent, PackedSequence):
+        assert inp.batch_sizes.dtype == torch.int64 and torch.equal(inp.batch_sizes, sent.batch_sizes)
+        assert torch.equal(inp.sorted_indices, sent.sorted_indices) and torch.equal(inp.unsorted_indices, sent.unsorted_indices)
+    if isinstance(sent, dict): assert list(inp) == list(sent)
+
+@pytest.mark.parametrize('kind', containers)
+def test_cast_model_passes_the_container_type_through(kind):
+    torch.manual_seed(0)
+    model = Net(kind)
+    sent = containers[kind](torch.randn(4, 1, 8, 8))
+    cast = cast_model(model, torch.bfloat16)
+    out = model(sent)
+    assert out.dtype == torch.bfloat16
+    assert_received(model.seen[-1], sent, torch.bfloat16)
+    cast.restore()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+class MakeContainer(Callback):
+    order = CastToTensor.order + 0.5 # fastai's CastToTensor turns any tuple into a plain tuple: build the container after it
+    def __init__(self, kind): self.kind = kind
+    def before_batch(self): self.learn.xb = (containers[self.kind](self.xb[0]),)
+
+class CheckReceived(Callback):
+    "The container reaches the model intact during training"
+    def __init__(self): self.checked = 0
+    def after_pred(self):
+        if not self.training: return
+        assert_received(self.model.seen[-1], self.xb[0], torch.bfloat16)
+        self.checked += 1
+
+@pytest.mark.parametrize('kind', containers)
+def test_fit_with_container_inputs(kind):
+    torch.manual_seed(0)
+    learn = Learner(synth_dls(), Net(kind), loss_func=CrossEntropyLossFlat(), cbs=MakeContainer(kind)).to_mixed(torch.bfloat16)
+    learn.remove_cb(ProgressCallback)
+    hooks = hook_ids(learn.model)
+    check = CheckReceived()
+    run_or_timeout(learn.fit, 1, 1e-2, cbs=check)
+    assert check.checked == 8
+    assert_fp32_and_intact(learn, hooks)
