@@ -76,11 +76,11 @@ def warn_if_slow(
     _warned.add((dev.type, dtype))
     warnings.warn(msg, stacklevel=3)
 
-# %% ../nbs/00_cast.ipynb #eae3989d
+# %% ../nbs/00_cast.ipynb #33888e84
 class CastSlot(NamedTuple):
-    "A parameter or buffer slot of a module, with the 16-bit copy that stands in it and the FP32 original kept aside"
+    "A parameter slot of a module, with the 16-bit copy that stands in it and the FP32 original kept aside"
     module:nn.Module # The module that owns the slot
-    name:str # The slot's name in the module's `_parameters` or `_buffers`
+    name:str # The slot's name in the module's `_parameters`
     copy:Tensor # The 16-bit copy the model holds while cast
     original:Tensor # The FP32 tensor the model holds otherwise
     key:str = '' # The slot's key in the model's `state_dict`
@@ -162,7 +162,6 @@ def unmatched_names(
 class ModelCast:
     "Record of a model's tensors swapped for 16-bit copies: `uncast`, `recast` or `restore` them"
     params:list = field(default_factory=list)  # A `CastSlot` per parameter slot
-    buffers:list = field(default_factory=list) # A `CastSlot` per buffer slot
     hooks:list = field(default_factory=list)   # Handles of the dtype hooks, while cast
     state_hooks:list = field(default_factory=list) # Handles of the state-dict hooks, from the cast to `restore`
     kept:list = field(default_factory=list)    # The outermost modules kept in FP32
@@ -178,7 +177,7 @@ class ModelCast:
     @property
     def device(self) -> torch.device: # Where the first cast tensor lives
         "The device of the cast model (of its first cast tensor, for a model spread over several)"
-        return (self.params or self.buffers)[0].copy.device
+        return self.params[0].copy.device
 
 # %% ../nbs/00_cast.ipynb #5d6307e0
 @patch
@@ -189,9 +188,6 @@ def _put(self:ModelCast, side:str) -> None:
         for s in self.params:
             done.append((s.module._parameters, s.name, s.module._parameters[s.name]))
             s.module._parameters[s.name] = getattr(s, side)
-        for s in self.buffers:
-            done.append((s.module._buffers, s.name, s.module._buffers[s.name]))
-            s.module._buffers[s.name] = getattr(s, side)
     except BaseException: # an interrupt half way: put back what was there, so the model is never half swapped
         for d,n,t in reversed(done): d[n] = t
         raise
@@ -208,20 +204,15 @@ def copies_differ(self:ModelCast,
 # %% ../nbs/00_cast.ipynb #f58ecdc4
 @patch
 def sync_copies(self:ModelCast) -> None:
-    "Copy the originals' values into the 16-bit copies (parameters and buffers)"
-    with torch.no_grad():
-        for ts in (self.pairs, self.buffers):
-            if ts: torch._foreach_copy_([s.copy for s in ts], [s.original for s in ts])
+    "Copy the originals' values into the 16-bit copies"
+    pairs = self.pairs
+    if not pairs: return
+    with torch.no_grad(): torch._foreach_copy_([s.copy for s in pairs], [s.original for s in pairs])
 
 # %% ../nbs/00_cast.ipynb #c9d1230f
 @patch
 def uncast(self:ModelCast) -> None:
-    "Put the FP32 originals in the model; buffers that training changed give their new value to the originals"
-    if self.cast:
-        changed = self.copies_differ(self.buffers)
-        with torch.no_grad():
-            for s,c in zip(self.buffers, changed):
-                if c: s.original.copy_(s.copy)
+    "Put the FP32 originals in the model"
     self._put('original') # even when not `cast`: a recast interrupted after its swap has put the copies in
     for h in self.hooks: h.remove()
     self.hooks,self.cast = [],False
@@ -238,7 +229,7 @@ def recast(self:ModelCast) -> None:
 def _swap_in(self:ModelCast) -> None:
     "Put the copies and the dtype hooks in, all or none"
     try:
-        _hook_dtypes(self.model, self.dtype, self.kept, self.hooks)
+        _hook_dtypes(list({id(s.module):s.module for s in self.params}.values()), self.dtype, self.kept, self.hooks)
         self._put('copy')
     except BaseException:
         for h in self.hooks: h.remove()
@@ -252,7 +243,7 @@ def restore(self:ModelCast) -> None:
     "Put the FP32 originals back for good, without the hooks"
     self.uncast()
     for h in self.state_hooks: h.remove()
-    self.params,self.buffers,self.kept,self.model,self.state_hooks = [],[],[],None,[]
+    self.params,self.kept,self.model,self.state_hooks = [],[],None,[]
 
 # %% ../nbs/00_cast.ipynb #c54af7bf
 def _to(x, dtype):
@@ -267,12 +258,12 @@ def _to(x, dtype):
         return res
     return x
 
-def _hook_dtypes(model, dtype, kept_tops, into:list) -> list:
+def _hook_dtypes(cast_modules, dtype, kept_tops, into:list) -> list:
     def to_16(m, args, kwargs): return _to(args, dtype),_to(kwargs, dtype)
     def in_32(m, args, kwargs): return _to(args, torch.float32),_to(kwargs, torch.float32)
     def out_16(m, args, out): return _to(out, dtype)
     # Each handle goes into `into` as soon as it exists, so an interrupt part way leaves none unaccounted for.
-    into.append(model.register_forward_pre_hook(to_16, with_kwargs=True))
+    for m in cast_modules: into.append(m.register_forward_pre_hook(to_16, with_kwargs=True))
     for m in kept_tops:
         if isinstance(m, norms_taking_16bit_input): continue
         into.append(m.register_forward_pre_hook(in_32, with_kwargs=True))
@@ -293,12 +284,9 @@ def _hook_state_dicts(self:ModelCast) -> None:
 def _fp32_state(self:ModelCast, module, state_dict, prefix, local_metadata):
     "While cast, the model's state dict holds the FP32 originals"
     if not self.cast: return
-    changed = dict(zip(map(id, self.buffers), self.copies_differ(self.buffers)))
-    for s in self.params + self.buffers:
+    for s in self.params:
         k = prefix + s.key
-        if k not in state_dict: continue
-        if changed.get(id(s)): state_dict[k] = s.copy.float()
-        else: state_dict[k] = s.original if isinstance(state_dict[k], nn.Parameter) else s.original.detach()
+        if k in state_dict: state_dict[k] = s.original if isinstance(state_dict[k], nn.Parameter) else s.original.detach()
 
 @patch
 def _before_load(self:ModelCast, module, *args):
@@ -317,7 +305,7 @@ def cast_model(
     dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`
     keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
 ) -> ModelCast: # What was swapped, to `uncast`, `recast` or `restore` it
-    "Swap the floating-point parameters and buffers of `model` (but the `keep` modules') for `dtype` copies"
+    "Swap the floating-point parameters of `model` (but the `keep` modules') for `dtype` copies"
     check_castable(model, keep)
     kept_tops,plan = _cast_plan(model, keep)
     res,copies = ModelCast(kept=kept_tops, model=model, dtype=dtype, cast=False),{}
@@ -326,8 +314,6 @@ def cast_model(
         for q,m,n,p in plan:
             if id(p) not in copies: copies[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
             res.params.append(CastSlot(m, n, copies[id(p)], p, q))
-        res.buffers = [CastSlot(m, n, b.to(dtype), b, _qual(name, n)) for name,m in model.named_modules() if id(m) not in kept_mods
-                       for n,b in m._buffers.items() if b is not None and b.is_floating_point()]
     res._swap_in()
     res._hook_state_dicts()
     return res
