@@ -51,15 +51,15 @@ optimizers = { # name -> fastai `opt_func`
 
 # ---- the two ways of counting
 
-def live_storage_bytes(exclude:set=frozenset()) -> tuple: # (bytes, {storage key})
-    "Bytes of every storage reachable from a live tensor (or its `.grad`) that `gc` sees, each storage once"
+def live_storage_bytes(exclude:set=frozenset(), device_type:str='cpu') -> tuple: # (bytes, {storage key})
+    "Bytes of every storage on `device_type` reachable from a live tensor (or its `.grad`) that `gc` sees, each storage once"
     seen,n = set(),0
     with warnings.catch_warnings():
         warnings.simplefilter('ignore') # `isinstance` on some deprecated module attributes warns
         objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
     for o in objs:
         for t in (o, o.grad if o.is_leaf else None): # `.grad` of a non-leaf warns and is always None
-            if t is None or t.device.type == 'meta': continue
+            if t is None or t.device.type != device_type: continue
             s = t.untyped_storage()
             key = (t.device, s.data_ptr())
             if s.data_ptr() == 0 or key in seen or key in exclude: continue
@@ -95,7 +95,8 @@ class Marks(Callback):
     def _mark(self, name):
         if not self.training: return
         with record_function(f'mark:{self.iter}:{name}'): pass
-        if name in self.count_at: self.gc_bytes.append((self.iter, name, live_storage_bytes(self.exclude)[0]))
+        if name in self.count_at:
+            self.gc_bytes.append((self.iter, name, live_storage_bytes(self.exclude, self.dls.device.type)[0]))
     def before_fit(self):
         lin = next(m for m in self.learn.model.modules() if isinstance(m, torch.nn.Linear))
         self.hook = lin.register_forward_hook(lambda m,i,o: setattr(self, 'first_linear_out', o.dtype))
@@ -128,7 +129,7 @@ def measure(mode:str, opt:str, device='cpu', n_batches:int=4, bs:int=4) -> dict:
     from .common import linear_norm_stack, synthetic_dls, quiet, n_params, n_tensors
     device = torch.device(device)
     gc.collect()
-    _,before = live_storage_bytes()
+    _,before = live_storage_bytes(device_type=device.type)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == 'cuda' else [])
     with profile(activities=acts, profile_memory=True) as prof:
         dls = synthetic_dls(bs=bs, n_train_batches=n_batches, device=device)
