@@ -1,93 +1,188 @@
-"Section 3: bytes of parameters, gradients and optimizer state during `fit`, and peak memory, each config in its own process."
+"""Section 3: bytes per parameter of training state, between steps and at the peak of a step, per precision mode and optimizer.
+
+Measured with torch's allocator: the profiler (`profile_memory=True`) records every allocation and free with the
+allocator's running total. On a CPU that total ("Total Allocated", c10's `ProfiledCPUMemoryReporter`) counts only what
+was allocated while the profiler ran and is still alive, so the learner, its data and its model are built inside the
+profiled region: the total is then exactly the bytes the training holds, the FP32 model included. Marks at the fit's
+events (zero-length `record_function` ranges) cut the timeline into phases. Cross-check: at the same marks, every live
+tensor found by `gc` (and its `.grad`) is counted once per storage (`untyped_storage().data_ptr()`).
+
+`modes` is a dict of name -> function that sets up a `Learner`: a new mode is one more entry. A mode whose set-up raises
+`TypeError` (an argument this version of `to_mixed` does not take) is reported as not available."""
 from __future__ import annotations
-import json, os, resource, subprocess, sys
+import gc, json, os, subprocess, sys, warnings
+from functools import partial
 from pathlib import Path
 import torch
-from fastai.basics import Learner, Callback, CrossEntropyLossFlat
+from torch.profiler import profile, ProfilerActivity, record_function
+from fastai.basics import Learner, Callback, CrossEntropyLossFlat, Adam, OptimWrapper, to_float
 
-configs = ('FP32', 'fastai to_fp16', 'to_mixed float16', 'to_mixed bfloat16')
+class DeviceAutocast(Callback):
+    "`torch.autocast` around the forward pass and the loss, as fastai's `MixedPrecision` does, but on the model's device"
+    order = 10
+    def __init__(self, dtype:torch.dtype): self.dtype = dtype
+    def before_batch(self):
+        self.ctx = torch.autocast(self.dls.device.type, dtype=self.dtype)
+        self.ctx.__enter__()
+    def after_pred(self): self.learn.pred = to_float(self.pred)
+    def after_loss(self): self.ctx.__exit__(None, None, None)
 
-def _storage_key(t:torch.Tensor) -> tuple: return (t.device, t.untyped_storage().data_ptr())
+def _to_fp16(learn):
+    import fastai.callback.fp16 # Learner.to_fp16
+    return learn.to_fp16()
 
-def training_state_bytes(learn:Learner) -> dict:
-    "Bytes of the model's parameters and gradients, the optimizer's other parameters (masters) and theirs, and optimizer state"
-    seen,res = set(),{}
-    def add(name, ts):
-        # Each storage once: views (e.g. masters carved from one flat buffer) and tied weights are not counted twice.
-        n = 0
-        for t in ts:
-            if t is None or _storage_key(t) in seen: continue
-            seen.add(_storage_key(t))
-            n += t.untyped_storage().nbytes()
-        res[name] = n
-    model_params = list(learn.model.parameters())
-    opt_params = [p for pg in learn.opt.param_lists for p in pg]
-    add('model params', model_params)
-    add('model grads', [p.grad for p in model_params])
-    add('optimizer params (masters)', opt_params)
-    add('optimizer params grads', [p.grad for p in opt_params])
-    add('optimizer state', [v for p in opt_params for v in learn.opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)])
-    res['total'] = sum(res.values())
-    return res
+def _to_mixed(learn, dtype, **kwargs):
+    import mpcallbacks.all # Learner.to_mixed
+    return learn.to_mixed(dtype, **kwargs)
 
-class TrainingStateBytes(Callback):
-    "The largest `training_state_bytes` seen at `after_step`, once the mixed-precision callbacks are done"
-    order = 100
-    def __init__(self): self.peak = None
-    def after_step(self):
-        b = training_state_bytes(self.learn)
-        if self.peak is None or b['total'] > self.peak['total']: self.peak = b
+modes = { # name -> set-up of a `Learner` (returns it)
+    'FP32': lambda learn: learn,
+    'autocast bfloat16': lambda learn: learn.add_cb(DeviceAutocast(torch.bfloat16)),
+    'fastai to_fp16()': _to_fp16,
+    'to_mixed float16': partial(_to_mixed, dtype=torch.float16),
+    'to_mixed bfloat16': partial(_to_mixed, dtype=torch.bfloat16),
+    "to_mixed bfloat16 masters='16+16'": partial(_to_mixed, dtype=torch.bfloat16, masters='16+16'),
+}
 
-def _rss_bytes() -> int:
-    import psutil
-    return psutil.Process().memory_info().rss
+optimizers = { # name -> fastai `opt_func`
+    'fastai Adam': Adam,
+    'OptimWrapper(AdamW)': partial(OptimWrapper, opt=torch.optim.AdamW),
+}
 
-def _reset_peak_rss() -> bool:
-    "Make the kernel's peak RSS (VmHWM) restart from the current RSS (Linux >= 4.0); False where that is not possible"
-    try: Path('/proc/self/clear_refs').write_text('5')
-    except OSError: return False
-    return True
+# ---- the two ways of counting
 
-def _peak_rss_bytes() -> int:
-    "VmHWM: peak RSS of this process's memory map. (`ru_maxrss` is no good in a child: it starts at the parent's RSS.)"
-    status = Path('/proc/self/status')
-    if status.exists():
-        for line in status.read_text().splitlines():
-            if line.startswith('VmHWM:'): return int(line.split()[1]) * 1024 # kB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 # KiB on Linux, bytes on macOS: a fallback only
+def live_storage_bytes(exclude:set=frozenset(), device_type:str='cpu') -> tuple: # (bytes, {storage key})
+    "Bytes of every storage on `device_type` reachable from a live tensor (or its `.grad`) that `gc` sees, each storage once"
+    seen,n = set(),0
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore') # `isinstance` on some deprecated module attributes warns
+        objs = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for o in objs:
+        for t in (o, o.grad if o.is_leaf else None): # `.grad` of a non-leaf warns and is always None
+            if t is None or t.device.type != device_type: continue
+            s = t.untyped_storage()
+            key = (t.device, s.data_ptr())
+            if s.data_ptr() == 0 or key in seen or key in exclude: continue
+            seen.add(key)
+            n += s.nbytes()
+    return n,seen
 
-def measure(config:str, device:str, n_batches:int=8, bs:int=4) -> dict:
-    "In this process: fit the 202-tensor model with Adam under `config`; bytes during fit and peak memory"
-    import warnings
-    import fastai.callback.fp16 # to_fp16
-    from mpcallbacks.all import MasterMixedPrecision # Learner.to_mixed
-    from .common import linear_norm_stack, synthetic_dls, quiet
-    dls = synthetic_dls(bs=bs, n_train_batches=n_batches, device=device)
-    learn = Learner(dls, linear_norm_stack().to(device), loss_func=CrossEntropyLossFlat())
-    if config == 'fastai to_fp16': learn.to_fp16()
-    elif config.startswith('to_mixed'): learn.to_mixed(getattr(torch, config.split()[1]))
-    elif config != 'FP32': raise ValueError(f"Unknown config {config!r}")
-    probe = TrainingStateBytes()
-    cuda = torch.device(device).type == 'cuda'
-    if cuda: torch.cuda.reset_peak_memory_stats(device)
-    rss_before = _rss_bytes()
-    peak_is_fit = _reset_peak_rss() # else the peak is the whole process's, imports included
-    with quiet(learn): learn.fit(1, 1e-3, cbs=probe)
-    return dict(config=config, **probe.peak, rss_before_fit=rss_before, peak_rss=_peak_rss_bytes(), peak_rss_is_fit=peak_is_fit,
-                peak_cuda=torch.cuda.max_memory_allocated(device) if cuda else None)
+def _walk(events):
+    for e in events:
+        yield e
+        yield from _walk(e.children)
+
+def allocator_timeline(prof, device:torch.device) -> tuple: # (allocation events [(ns, total bytes)], marks [(ns, name)])
+    "The allocator's running total after each allocation or free on `device`, and the marks, in time order"
+    allocs,marks = [],[]
+    for e in _walk(prof.profiler.kineto_results.experimental_event_tree()):
+        if e.tag == torch._C._profiler._EventType.Allocation:
+            f = e.extra_fields
+            if f.device.type == device.type: allocs.append((e.start_time_ns, f.total_allocated, f.alloc_size))
+        elif e.name.startswith('mark:'): marks.append((e.start_time_ns, e.name[5:]))
+    allocs.sort()
+    # The total counts what this process allocated in any profiled region and has not freed in one: start from zero.
+    base = allocs[0][1] - allocs[0][2] if allocs else 0
+    return [(t, b - base) for t,b,_ in allocs],sorted(marks)
+
+# ---- marks at the fit's events
+
+class Marks(Callback):
+    "Zero-length profiler ranges at a training batch's events, and the live-storage count at some of them"
+    order = 1000 # after every other callback's event: a mark sees what they left
+    def __init__(self, exclude:set, count_at=('after_batch',)):
+        self.exclude,self.count_at,self.gc_bytes,self.first_linear_out = exclude,count_at,[],None
+    def _mark(self, name):
+        if not self.training: return
+        with record_function(f'mark:{self.iter}:{name}'): pass
+        if name in self.count_at:
+            self.gc_bytes.append((self.iter, name, live_storage_bytes(self.exclude, self.dls.device.type)[0]))
+    def before_fit(self):
+        lin = next(m for m in self.learn.model.modules() if isinstance(m, torch.nn.Linear))
+        self.hook = lin.register_forward_hook(lambda m,i,o: setattr(self, 'first_linear_out', o.dtype))
+    def after_fit(self): self.hook.remove()
+    def after_loss(self): self._mark('after_loss')
+    def after_batch(self): self._mark('after_batch')
+
+class EarlyMarks(Marks):
+    "Marks before any other callback's event: the start of a batch, the end of backward"
+    order = -1000
+    def __init__(self, exclude:set): super().__init__(exclude, count_at=('after_backward',))
+    def before_fit(self): pass
+    def after_fit(self): pass
+    def after_loss(self): pass
+    def after_batch(self): pass
+    def before_batch(self): self._mark('before_batch')
+    def after_backward(self): self._mark('after_backward')
+
+def _at(allocs:list, t:int) -> int:
+    "The allocator's total at time `t`"
+    import bisect
+    i = bisect.bisect_right(allocs, (t, float('inf'))) - 1
+    return allocs[i][1] if i >= 0 else 0
+
+def _max_between(allocs:list, t0:int, t1:int) -> int:
+    return max([_at(allocs, t0)] + [b for t,b in allocs if t0 <= t <= t1])
+
+def measure(mode:str, opt:str, device='cpu', n_batches:int=4, bs:int=4) -> dict:
+    "Fit the 202-tensor model with `mode` and `opt` in a profiled region; bytes per parameter from the allocator and from gc"
+    from .common import linear_norm_stack, synthetic_dls, quiet, n_params, n_tensors
+    device = torch.device(device)
+    gc.collect()
+    _,before = live_storage_bytes(device_type=device.type)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == 'cuda' else [])
+    with profile(activities=acts, profile_memory=True) as prof:
+        dls = synthetic_dls(bs=bs, n_train_batches=n_batches, device=device)
+        learn = Learner(dls, linear_norm_stack().to(device), loss_func=CrossEntropyLossFlat(), opt_func=optimizers[opt])
+        n,tensors = n_params(learn.model),n_tensors(learn.model)
+        try: modes[mode](learn)
+        except TypeError as e: return dict(mode=mode, opt=opt, available=False, reason=str(e).splitlines()[0])
+        marks,early = Marks(before),EarlyMarks(before)
+        with quiet(learn): learn.fit(1, 1e-3, cbs=[marks, early])
+        opt_params = [p for g in learn.opt.param_lists for p in g]
+        opt_dtypes = sorted({str(v.dtype).split('.')[1] for p in opt_params for v in learn.opt.state.get(p, {}).values()
+                             if isinstance(v, torch.Tensor) and v.numel() > 1} if not isinstance(learn.opt, OptimWrapper) else
+                            {str(v.dtype).split('.')[1] for s in learn.opt.opt.state.values() for v in s.values() if v.numel() > 1})
+        del learn, dls
+        gc.collect() # free the learner's cycles while the profiler still sees the frees
+    allocs,mk = allocator_timeline(prof, device)
+    at = {name:t for t,name in mk}
+    per = lambda b: b / n
+    steady = range(1, n_batches) # the first batch creates the optimizer state
+    rows = []
+    for i in steady:
+        t = {k.split(':', 1)[1]:v for k,v in at.items() if k.startswith(f'{i}:')}
+        rows.append(dict(
+            between=_at(allocs, t['after_batch']),
+            peak_step=_max_between(allocs, t['after_backward'], t['after_batch']), # backward is over: no activations left
+            peak_batch=_max_between(allocs, t['before_batch'], t['after_batch']), # forward and backward included
+            activations=_at(allocs, t['after_loss']) - _at(allocs, t['before_batch']), # what the forward keeps for backward
+            after_backward=_at(allocs, t['after_backward'])))
+    gcb = {(i, k):b for i,k,b in marks.gc_bytes + early.gc_bytes}
+    last = n_batches - 1
+    return dict(mode=mode, opt=opt, available=True, params=n, tensors=tensors,
+                between=per(max(r['between'] for r in rows)), peak_step=per(max(r['peak_step'] for r in rows)),
+                peak_batch=per(max(r['peak_batch'] for r in rows)), activations_MiB=max(r['activations'] for r in rows) / 2**20,
+                gc_between=per(gcb[(last, 'after_batch')]), alloc_between_last=per(rows[-1]['between']),
+                gc_after_backward=per(gcb[(last, 'after_backward')]), alloc_after_backward=per(rows[-1]['after_backward']),
+                forward_dtype=str(marks.first_linear_out).split('.')[1], opt_state_dtypes='/'.join(opt_dtypes))
 
 def run_memory(device) -> list:
-    "One row per config, each measured in a fresh process so that its peak RSS is its own"
+    "One row per (mode, optimizer); each mode in a fresh process, so that no mode's caches or patches reach another's"
     root = Path(__file__).resolve().parent.parent
     rows = []
-    for config in configs:
-        out = subprocess.run([sys.executable, '-m', 'bench.memory', config, str(device)], cwd=root,
+    for mode in modes:
+        out = subprocess.run([sys.executable, '-m', 'bench.memory', mode, str(device)], cwd=root,
                              capture_output=True, text=True, env={**os.environ, 'PYTHONWARNINGS': 'ignore'})
-        if out.returncode != 0: raise RuntimeError(f"memory child for {config!r} failed:\n{out.stderr[-3000:]}")
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        if out.returncode != 0: raise RuntimeError(f"memory child for {mode!r} failed:\n{out.stderr[-3000:]}")
+        rows += json.loads(out.stdout.strip().splitlines()[-1])
     return rows
 
 if __name__ == '__main__':
-    config,device = sys.argv[1],sys.argv[2]
-    torch.set_num_threads(int(os.environ.get('BENCH_THREADS', torch.get_num_threads())))
-    print(json.dumps(measure(config, device)))
+    torch.set_num_threads(int(os.environ.get('BENCH_THREADS', 1)))
+    if len(sys.argv) == 3: # a child of `run_memory`
+        mode,device = sys.argv[1:]
+        print(json.dumps([measure(mode, opt, device) for opt in optimizers]))
+    else: # `python -m bench.memory [device]`: this section alone, printed
+        from .run import memory_section
+        print(memory_section(run_memory(sys.argv[1] if len(sys.argv) > 1 else 'cpu')))

@@ -44,17 +44,24 @@ def plot_whole_step(rows:list, bound:dict, out:Path) -> Path:
     return _save(fig, out/'whole_step.png')
 
 def plot_memory(rows:list, out:Path) -> Path:
-    parts = ['model params', 'model grads', 'optimizer params (masters)', 'optimizer params grads', 'optimizer state']
-    fig,ax = plt.subplots(figsize=(10, 4))
-    x,bottom = np.arange(len(rows)),np.zeros(len(rows))
-    for p in parts:
-        vals = np.array([r[p] / 2**20 for r in rows])
-        ax.bar(x, vals, 0.5, bottom=bottom, label=p)
-        bottom += vals
-    ax.plot(x, [(r['peak_rss'] - r['rss_before_fit']) / 2**20 for r in rows], 'kD', label='peak RSS - RSS before fit')
-    ax.set_xticks(x, [r['config'] for r in rows], fontsize=8)
-    ax.set_ylabel('MiB')
-    ax.set_title('3. Parameters, gradients, optimizer state during fit (202-tensor model, Adam)', fontsize=10)
+    "Bytes per parameter between steps (solid) and at the peak of a step (hatched), per mode and optimizer"
+    ok = [r for r in rows if r['available']]
+    modes,opts = list(dict.fromkeys(r['mode'] for r in ok)),list(dict.fromkeys(r['opt'] for r in ok))
+    by = {(r['mode'], r['opt']):r for r in ok}
+    fig,ax = plt.subplots(figsize=(10, 4.5))
+    x,width = np.arange(len(modes)),0.8 / (2 * len(opts))
+    for j,o in enumerate(opts):
+        for k,(key,hatch) in enumerate((('between', None), ('peak_step', '//'))):
+            i = 2 * j + k
+            vals = [by[(m, o)][key] if (m, o) in by else 0 for m in modes]
+            ax.bar(x + (i - (2 * len(opts) - 1) / 2) * width, vals, width, color=f'C{j}', alpha=1 if hatch is None else .55,
+                   hatch=hatch, edgecolor='k', lw=.3, label=f"{o}: {'between steps' if hatch is None else 'peak of a step'}")
+    fp32 = by.get(('FP32', opts[0]))
+    if fp32: ax.axhline(fp32['between'], color='k', ls='--', lw=1, label=f"FP32, {opts[0]}, between steps")
+    ax.set_xticks(x, [m.replace(' masters', '\nmasters').replace('to_mixed ', 'to_mixed\n') for m in modes], fontsize=8)
+    ax.set_ylabel('bytes per parameter')
+    ax.set_title(f"3. Params + grads + optimizer state ({ok[0]['params'] / 1e6:.1f}M params, {ok[0]['tensors']} tensors), allocator bytes",
+                 fontsize=10)
     ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1))
     return _save(fig, out/'memory.png')
 

@@ -60,15 +60,48 @@ def whole_step_section(rows:list, bound:dict, device) -> str:
             'fastai non-native = `ModelToHalf` + `NonNativeMixedPrecision(max_loss_scale=2**16)` with only the CUDA assert removed '
             '(the same initial scale as ours).\n\n' + md_table(['config', 'ms per training step'], b_rows))
 
+def _bpp(v:float) -> str: return f'{v:.2f}'
+
 def memory_section(rows:list) -> str:
-    parts = ['model params', 'model grads', 'optimizer params (masters)', 'optimizer params grads', 'optimizer state', 'total']
-    peak = 'peak RSS during fit' if all(r['peak_rss_is_fit'] for r in rows) else 'peak RSS of the process'
-    cols = ['config'] + [f'{p} MiB' for p in parts] + ['RSS before fit MiB', f'{peak} MiB', 'peak RSS - before MiB', 'peak CUDA MiB']
-    body = [[r['config']] + [_mib(r[p]) for p in parts]
-            + [_mib(r['rss_before_fit']), _mib(r['peak_rss']), _mib(r['peak_rss'] - r['rss_before_fit']), _mib(r['peak_cuda'])] for r in rows]
-    return ('### 3. Memory during fit: Linear+LayerNorm x50 (13.2M parameters), Adam, bs 4, each config in its own process\n\n'
-            'Bytes at `after_step`, each storage counted once. Optimizer params = the optimizer\'s parameters that are not the '
-            'model\'s (the FP32 masters). fastai `to_fp16()` trains FP32 on a CPU.\n\n' + md_table(cols, body))
+    ok = [r for r in rows if r['available']]
+    r0 = ok[0]
+    cols = ['mode', 'optimizer', 'forward computes in', '**between steps**', '**peak of a step**', 'peak with forward/backward',
+            'activations MiB', 'gc: between steps', 'gc / allocator: end of backward']
+    body = [[r['mode'], r['opt'], r['forward_dtype'], f"**{_bpp(r['between'])}**", f"**{_bpp(r['peak_step'])}**", _bpp(r['peak_batch']),
+             f"{r['activations_MiB']:.1f}", _bpp(r['gc_between']), f"{_bpp(r['gc_after_backward'])} / {_bpp(r['alloc_after_backward'])}"]
+            if r['available'] else [r['mode'], r['opt'], 'not available', '-', '-', '-', '-', '-', f"({r['reason']})"] for r in rows]
+    tgt = memory_targets(rows)
+    fp16 = [r for r in ok if r['mode'] == 'fastai to_fp16()']
+    fp16_note = (" **fastai's `to_fp16()` trains FP32 here**: its first Linear layer computes in float32, as `autocast('cuda')` "
+                 "is disabled without CUDA." if fp16 and fp16[0]['forward_dtype'] == 'float32' else '')
+    gap = max(r['params'] * max(abs(r['gc_between'] - r['alloc_between_last']), abs(r['gc_after_backward'] - r['alloc_after_backward']))
+              for r in ok) # bytes
+    return ('### 3. Memory: bytes per parameter of training state (params + grads + optimizer state)\n\n'
+            f"Linear+LayerNorm x50 ({r0['tensors']} tensors, {r0['params'] / 1e6:.1f}M parameters), bs 4, one epoch of 4 batches, "
+            'each mode in its own process. Bytes from torch\'s allocator: the profiler (`profile_memory=True`) records each '
+            "allocation with the allocator's running total, which on a CPU counts only what was allocated while profiling; the "
+            'learner, data and FP32 model are built inside the profiled region, so the total is what training holds. Figures are '
+            'the largest over batches 2-4 (batch 1 creates the optimizer state). *between steps*: at the end of a batch; '
+            '*peak of a step*: the highest total from the end of backward to the end of the batch (no activations left); '
+            '*peak with forward/backward*: from the start of the batch (activations, autocast\'s weight copies included); '
+            '*activations*: bytes the forward pass and loss added. Cross-check: every live tensor `gc` finds (and its `.grad`), '
+            f'each storage once, at the end of the last batch and right after its backward, differs by at most {gap:,.0f} bytes from the '
+            "allocator's total at the same points (a difference would be memory no live tensor holds)." + fp16_note + '\n\n'
+            + md_table(cols, body) + '\n\n#### Targets (issue 11)\n\n'
+            + md_table(['target', 'measured', 'met'], [[t, m, '-' if k is None else 'yes' if k else '**no**'] for t,m,k in tgt]))
+
+def memory_targets(rows:list) -> list:
+    "(target, measured, met) for issue 11's memory targets"
+    by = {(r['mode'], r['opt']):r for r in rows if r['available']}
+    default = [r for (m,_),r in by.items() if m in ('to_mixed float16', 'to_mixed bfloat16')]
+    lean = [r for (m,_),r in by.items() if 'masters=' in m]
+    fmt = lambda rs, k: ', '.join(f"{_bpp(r[k])} ({r['mode'].split()[1]}, {r['opt']})" for r in rs)
+    res = [('default to_mixed: <= 14.0 bytes/param between steps', fmt(default, 'between'), all(r['between'] <= 14.0 for r in default)),
+           ('default to_mixed: <= 18.5 bytes/param at the peak of a step', fmt(default, 'peak_step'), all(r['peak_step'] <= 18.5 for r in default))]
+    if lean: res += [('leaner bfloat16 mode: <= 12.0 between steps', fmt(lean, 'between'), all(r['between'] <= 12.0 for r in lean)),
+                     ('leaner bfloat16 mode: <= 14.5 at the peak', fmt(lean, 'peak_step'), all(r['peak_step'] <= 14.5 for r in lean))]
+    else: res.append(('leaner bfloat16 mode: <= 12.0 between steps, <= 14.5 at the peak', 'not available', None))
+    return res
 
 def syncs_section(rows:list) -> str:
     cols = ['model', 'tensors', 'config', 'train steps', 'syncs per fit', 'extra vs FP32', 'extra per step', '<= steps + 2']
@@ -105,8 +138,10 @@ def targets(book:list, step:list, bound:dict, syncs:list) -> list:
         ('bookkeeping-bound fit: to_mixed not slower than fastai non-native', _x(bound['mixed_vs_nonnative']), bound['mixed_vs_nonnative'] <= 1.0),
     ]
 
-def headline(book:list, step:list, bound:dict, syncs:list) -> str:
+def headline(book:list, step:list, bound:dict, syncs:list, mem:list) -> str:
     r18,many = book
+    by = {(r['mode'], r['opt']):r for r in mem if r['available']}
+    fp32,bf16 = by[('FP32', 'fastai Adam')],by[('to_mixed bfloat16', 'fastai Adam')]
     worst = max(r['mixed_vs_hand'] for r in step)
     cnn = {r['config']:r for r in syncs if r['model'] == 'digits CNN'}
     nn_syncs = next(r for r in syncs if r['config'] == 'fastai non-native' and r['model'] != 'digits CNN')
@@ -114,7 +149,9 @@ def headline(book:list, step:list, bound:dict, syncs:list) -> str:
             f"{_x(r18['fastai_vs_ours'])} faster than fastai (R18), {_x(many['fastai_vs_ours'])} ({many['tensors']}-tensor); "
             f"copy-back {_x(r18['back_vs_copy'])} copy (R18); step {_x(worst)} hand loop (worst of {len(step)}); "
             f"bookkeeping-bound fit {_x(bound['mixed_vs_nonnative'])} fastai non-native; "
-            f"syncs +{cnn['to_mixed float16']['extra_per_step']:.2f}/step (fastai non-native +{nn_syncs['extra_per_step']:.0f}/step)")
+            f"syncs +{cnn['to_mixed float16']['extra_per_step']:.2f}/step (fastai non-native +{nn_syncs['extra_per_step']:.0f}/step); "
+            f"bytes/param between steps/peak (Adam): to_mixed bf16 {_bpp(bf16['between'])}/{_bpp(bf16['peak_step'])}, "
+            f"FP32 {_bpp(fp32['between'])}/{_bpp(fp32['peak_step'])}")
 
 def environment(device, threads:int) -> str:
     cpu = next((l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name')), platform.processor()) \
@@ -160,7 +197,7 @@ def main():
     pngs = [plots.plot_bookkeeping(book, results_dir), plots.plot_whole_step(step, bound, results_dir),
             plots.plot_memory(mem, results_dir), plots.plot_syncs(syncs, results_dir)]
     if cuda: pngs.append(plots.plot_cuda(cuda, results_dir))
-    head = headline(book, step, bound, syncs)
+    head = headline(book, step, bound, syncs, mem)
     secs = time.perf_counter() - start
     out += ['### Plots\n\n' + '\n'.join(f'![{p.stem}]({p.name})' for p in pngs), f'Benchmark time: {secs:.0f} s.', head]
     (results_dir / 'results.md').write_text('\n\n'.join(out) + '\n')
