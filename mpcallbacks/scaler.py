@@ -40,7 +40,7 @@ class ScaleHistory:
     def __eq__(self, other): return list(self) == list(other)
     def __repr__(self): return f"{type(self).__name__}({len(self)} steps in {len(self.runs)} runs)"
 
-# %% ../nbs/01_scaler.ipynb #6679f739
+# %% ../nbs/01_scaler.ipynb #0172ec28
 class LossScaler:
     "Loss scale with the dynamic rule of `torch.amp.GradScaler`, a floor, and a limit on consecutive skips"
     def __init__(self,
@@ -76,7 +76,7 @@ class LossScaler:
         mode = 'dynamic' if self.dynamic else 'static'
         return f"{type(self).__name__}({mode}, scale={self.scale:g}, skipped={self.skipped})"
 
-# %% ../nbs/01_scaler.ipynb #ac852f9f
+# %% ../nbs/01_scaler.ipynb #9ad9ea3f
 min_loss_scale,max_loss_scale = 2.**-126,2.**126 # A scale and its reciprocal are both normal float32 numbers in this range
 
 def _check_number(name, x) -> float:
@@ -96,7 +96,7 @@ def _check_int(name, x, low:int) -> int:
     if x < low: raise ValueError(f"{name} must be an int >= {low}, got {x!r}")
     return int(x)
 
-# %% ../nbs/01_scaler.ipynb #60f6e5de
+# %% ../nbs/01_scaler.ipynb #03ed0cbd
 @patch(cls_method=True)
 @delegates(LossScaler.__init__, but=['dynamic'])
 def from_loss_scale(cls:LossScaler,
@@ -115,18 +115,18 @@ def from_loss_scale(cls:LossScaler,
                          "the scale never moves: drop init_scale, or set loss_scale='dynamic'.")
     return cls(1. if loss_scale is None else _check_scale('loss_scale', loss_scale), dynamic=False, **kwargs)
 
-# %% ../nbs/01_scaler.ipynb #021d6e32
+# %% ../nbs/01_scaler.ipynb #1224f219
 def make_scaler(dtype:torch.dtype, loss_scale='auto', **kwargs) -> LossScaler:
     "The name of `LossScaler.from_loss_scale` before 0.2, kept for code that imports it"
     return LossScaler.from_loss_scale(dtype, loss_scale, **kwargs)
 
-# %% ../nbs/01_scaler.ipynb #e09eeda7
+# %% ../nbs/01_scaler.ipynb #264f68a8
 def _by_device(ts:list) -> dict:
     res = {}
     for t in ts: res.setdefault(t.device, []).append(t)
     return res
 
-# %% ../nbs/01_scaler.ipynb #e57ede1b
+# %% ../nbs/01_scaler.ipynb #fe0448e0
 @patch
 def scale_loss(self:LossScaler,
     loss:Tensor, # The loss `backward` will start from
@@ -134,7 +134,7 @@ def scale_loss(self:LossScaler,
     "`loss` times the scale (the loss itself when the scale is 1)"
     return loss if self.scale == 1. else loss * self.scale
 
-# %% ../nbs/01_scaler.ipynb #cc45bb90
+# %% ../nbs/01_scaler.ipynb #13e688e9
 @patch
 def unscale_(self:LossScaler,
     grads:list, # FP32 gradients, divided by the scale in place
@@ -153,7 +153,7 @@ def unscale_(self:LossScaler,
         flags.append(found)
     return flags[0] if len(flags)==1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
 
-# %% ../nbs/01_scaler.ipynb #045888a8
+# %% ../nbs/01_scaler.ipynb #e311e8ad
 @patch
 def update(self:LossScaler,
     found_inf:bool, # Whether this step's gradients had an inf or a NaN (the step was skipped)
@@ -176,7 +176,7 @@ def update(self:LossScaler,
         if grown <= max_loss_scale: self.scale = grown
         self.growth_tracker = 0
 
-# %% ../nbs/01_scaler.ipynb #7c0c5020
+# %% ../nbs/01_scaler.ipynb #419ae691
 @patch
 def _stop_message(self:LossScaler) -> str:
     causes = ["the loss or the inputs/targets are non-finite (check the data for NaN/inf)", "the learning rate is too high"]
@@ -187,7 +187,7 @@ def _stop_message(self:LossScaler) -> str:
     return (f"{self.consecutive_skips} optimizer steps in a row had inf/NaN gradients (loss scale now {self.scale:g}), so "
             f"nothing has been learned since. Likely causes: {'; or '.join(causes)}.")
 
-# %% ../nbs/01_scaler.ipynb #0ee03ce7
+# %% ../nbs/01_scaler.ipynb #3cae86d7
 _state_keys = ('scale', 'growth_tracker', 'skipped', 'consecutive_skips')
 
 @patch
@@ -195,7 +195,7 @@ def state_dict(self:LossScaler) -> dict:
     "The scaler's state as plain Python scalars, with the mode and the growth interval it was counted under"
     return {**{k:getattr(self, k) for k in _state_keys}, 'dynamic':self.dynamic, 'growth_interval':self.growth_interval}
 
-# %% ../nbs/01_scaler.ipynb #f32266fb
+# %% ../nbs/01_scaler.ipynb #afd1108e
 @patch
 def check_state_dict(self:LossScaler,
     sd:dict, # A state dict from `state_dict` (older ones lack 'dynamic' and 'growth_interval')
@@ -210,7 +210,7 @@ def check_state_dict(self:LossScaler,
     if 'growth_interval' in sd: _check_int("the loss scaler state's growth_interval", sd['growth_interval'], 1)
     return {**res, 'dynamic':sd.get('dynamic', self.dynamic)}
 
-# %% ../nbs/01_scaler.ipynb #5a768d22
+# %% ../nbs/01_scaler.ipynb #92f440b7
 @patch
 def load_state_dict(self:LossScaler,
     sd:dict, # What `state_dict` returned
