@@ -8,7 +8,6 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/callback.html.md"""
 from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 from fastai.basics import *
-from fastai.callback.fp16 import MixedPrecision
 from .cast import cast_model, always_fp32, as_16bit_dtype, warn_if_slow, ModelCast
 from .scaler import LossScaler, NonFiniteGradients
 from .master import MasterParams, GradPhase
@@ -100,7 +99,7 @@ def close(self:MixedFit) -> None:
 # %% ../nbs/03_callback.ipynb #968fa442
 class MasterMixedPrecision(Callback):
     "Mixed precision with a 16-bit model, FP32 master weights in the optimizer, and a loss scaler"
-    order = MixedPrecision.order # 10: before GradientClip (11) and before DistributedTrainer (11) wraps the model
+    order = 10 # as fastai's `MixedPrecision`: before GradientClip (11) and before DistributedTrainer (11) wraps the model
     @delegates(LossScaler.__init__, but=['dynamic'])
     def __init__(self,
         dtype:torch.dtype|str=torch.float16, # `torch.float16` or `torch.bfloat16`

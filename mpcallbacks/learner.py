@@ -9,9 +9,7 @@ from __future__ import annotations
 import inspect, os, sys, warnings, weakref
 from contextlib import contextmanager, nullcontext, ExitStack
 from functools import wraps
-from fastai.basics import *
-from fastai.callback.schedule import * # fit_one_cycle, fine_tune, lr_find: patched onto Learner by this import
-from fastai.callback.fp16 import MixedPrecision, NonNativeMixedPrecision, ModelToHalf
+from fastai.basics import * # and no more of fastai: its `callback.progress` would add a progress bar to every learner
 from .cast import check_castable, unmatched_names
 from .scaler import LossScaler
 from .callback import MasterMixedPrecision
@@ -19,17 +17,35 @@ from .callback import MasterMixedPrecision
 # %% auto #0
 __all__ = ['OptimizerWithScaler']
 
-# %% ../nbs/05_learner.ipynb #ae0cdf24
-_fastai_fp16 = (MixedPrecision, NonNativeMixedPrecision, ModelToHalf)
+# %% ../nbs/05_learner.ipynb #9446e7ff
+def _fastai_fp16() -> tuple:
+    "fastai's mixed-precision callbacks, if `fastai.callback.fp16` is loaded (a learner can only hold them if it is)"
+    fp16 = sys.modules.get('fastai.callback.fp16')
+    return (fp16.MixedPrecision, fp16.NonNativeMixedPrecision, fp16.ModelToHalf) if fp16 else ()
 
 def _check_no_fastai_fp16(learn, cbs=None):
     "Refuse fastai's own mixed precision next to ours: both would cast the model and scale the loss"
-    if any(isinstance(cb, _fastai_fp16) for cb in list(learn.cbs) + list(L(cbs))):
+    if any(isinstance(cb, _fastai_fp16()) for cb in list(learn.cbs) + list(L(cbs))):
         raise ValueError("`to_mixed()` cannot be combined with fastai's `to_fp16()`/`to_bf16()`/`to_non_native_fp16()`: "
                          "both cast the model and scale the loss. Remove fastai's with `learn.to_fp32()` (or "
                          "`learn.to_non_native_fp32()`), or remove ours with `learn.to_unmixed()`.")
 
-# %% ../nbs/05_learner.ipynb #e8763df4
+# %% ../nbs/05_learner.ipynb #ef17299f
+def _undo_with_fastai():
+    "Make fastai's `to_fp32`/`to_non_native_fp32` remove `MasterMixedPrecision` too, once fastai has defined them"
+    for name in ('to_fp32', 'to_non_native_fp32'):
+        f = Learner.__dict__.get(name)
+        if f is None or getattr(f, '_removes_mixed', False): continue
+        def undo(self, *args, _f=f, **kwargs):
+            self.to_unmixed()
+            return _f(self, *args, **kwargs)
+        undo = wraps(f)(undo)
+        undo._removes_mixed = True
+        setattr(Learner, name, undo)
+
+_undo_with_fastai()
+
+# %% ../nbs/05_learner.ipynb #3ca3feac
 @patch
 @delegates(MasterMixedPrecision.__init__)
 def to_mixed(self:Learner,
@@ -37,6 +53,7 @@ def to_mixed(self:Learner,
     **kwargs
 ) -> Learner: # The learner itself, with one `MasterMixedPrecision` callback
     "Train in 16-bit mixed precision with FP32 master weights"
+    _undo_with_fastai()
     _check_no_fastai_fp16(self)
     cb = MasterMixedPrecision(dtype, **kwargs)
     check_castable(self.model, cb.keep)
@@ -49,7 +66,7 @@ def to_mixed(self:Learner,
         self.to_unmixed()
     return self.add_cb(cb)
 
-# %% ../nbs/05_learner.ipynb #ea39faf1
+# %% ../nbs/05_learner.ipynb #b2651ed2
 @patch
 def to_unmixed(self:Learner) -> Learner: # The learner itself, training in FP32
     "Remove `MasterMixedPrecision`: the inverse of `to_mixed`, also in the middle of a fit (which goes on in FP32)"
@@ -57,7 +74,7 @@ def to_unmixed(self:Learner) -> Learner: # The learner itself, training in FP32
     for cb in cbs: cb.end_fit()
     return self.remove_cbs(cbs)
 
-# %% ../nbs/05_learner.ipynb #415c6ec3
+# %% ../nbs/05_learner.ipynb #cc28665e
 _entry_depth = weakref.WeakKeyDictionary() # learner -> how many of its guarded entry points are running now
 
 def _mixed_cbs(learn, extra=None) -> list:
@@ -82,13 +99,13 @@ def _entry_point(learn, cbs=None):
             del _entry_depth[learn]
             _end_fits(_mixed_cbs(learn, mine)) # also ours removed during the call (`remove_cb` in a callback)
 
-# %% ../nbs/05_learner.ipynb #868a0dff
+# %% ../nbs/05_learner.ipynb #a82d7236
 def _fastai_method(name:str):
     "fastai's own `Learner.<name>`, saved the first time"
     if f'_unmixed_{name}' not in Learner.__dict__: setattr(Learner, f'_unmixed_{name}', Learner.__dict__[name])
     return Learner.__dict__[f'_unmixed_{name}']
 
-# %% ../nbs/05_learner.ipynb #182e374e
+# %% ../nbs/05_learner.ipynb #3c113570
 _fit = _fastai_method('fit')
 _fit_sig = inspect.signature(_fit)
 
@@ -103,7 +120,7 @@ def _guarded_fit(self, *args, **kwargs):
     return res
 Learner.fit = _guarded_fit
 
-# %% ../nbs/05_learner.ipynb #74942e6e
+# %% ../nbs/05_learner.ipynb #3fb78f21
 class _Unwinding(ContextManagers):
     "fastcore's `ContextManagers`, but a failure while entering exits what was entered (fastai's `learn.lock` among them)"
     def __enter__(self):
@@ -112,7 +129,7 @@ class _Unwinding(ContextManagers):
             self.stack.__exit__(*sys.exc_info())
             raise
 
-# %% ../nbs/05_learner.ipynb #6a2712b7
+# %% ../nbs/05_learner.ipynb #c08fd6f4
 _validation_context = _fastai_method('validation_context')
 
 @wraps(_validation_context)
@@ -122,7 +139,7 @@ def _guarded_validation_context(self, cbs=None, inner=False):
     return _Unwinding([_entry_point(self, cbs)] + list(ctx.default))
 Learner.validation_context = _guarded_validation_context
 
-# %% ../nbs/05_learner.ipynb #2fd290e6
+# %% ../nbs/05_learner.ipynb #c341fa88
 _enter,_exit = _fastai_method('__enter__'),_fastai_method('__exit__')
 
 def _end_if_bare(learn):
@@ -144,7 +161,7 @@ def _guarded_exit(self, exc_type, exc_value, tb):
         raise
 Learner.__enter__,Learner.__exit__ = _guarded_enter,_guarded_exit
 
-# %% ../nbs/05_learner.ipynb #5652f51d
+# %% ../nbs/05_learner.ipynb #be001ca5
 _create_opt = _fastai_method('create_opt')
 
 @wraps(_create_opt)
@@ -154,7 +171,7 @@ def _guarded_create_opt(self):
         return _create_opt(self)
 Learner.create_opt = _guarded_create_opt
 
-# %% ../nbs/05_learner.ipynb #5c6510aa
+# %% ../nbs/05_learner.ipynb #12ebf48a
 _scaler_key = 'mpcallbacks.loss_scaler'
 
 class OptimizerWithScaler(GetAttr):
@@ -181,13 +198,13 @@ class OptimizerWithScaler(GetAttr):
         except Exception: raise # fastai warns that the optimizer state could not be loaded
         except BaseException as e: self.interrupted = e # fastai's bare `except:` would swallow a Ctrl-C: kept for after
 
-# %% ../nbs/05_learner.ipynb #df3a2eb4
+# %% ../nbs/05_learner.ipynb #3125d5fd
 def _carrying_scaler(learn, cb):
     "`learn.opt` wrapped in an `OptimizerWithScaler` for the length of the block (fastai's `replacing_yield`)"
     if getattr(learn, 'opt', None) is None: return nullcontext()
     return contextmanager(replacing_yield)(learn, 'opt', OptimizerWithScaler(learn.opt, cb.scaler))
 
-# %% ../nbs/05_learner.ipynb #069a54a1
+# %% ../nbs/05_learner.ipynb #fed832b5
 @contextmanager
 def _replacing_file(path:Path):
     "A temporary name in `path`'s folder to write to; it becomes `path` only once written, so a crash leaves the old file"
@@ -197,7 +214,7 @@ def _replacing_file(path:Path):
         if tmp.exists(): os.replace(tmp, path) # (not written: a rank that does not save)
     finally: tmp.unlink(missing_ok=True)
 
-# %% ../nbs/05_learner.ipynb #98bb7c9e
+# %% ../nbs/05_learner.ipynb #59969355
 _save = _fastai_method('save')
 
 @wraps(_save)
@@ -210,7 +227,7 @@ def _guarded_save(self, file, **kwargs):
     return path
 Learner.save = _guarded_save
 
-# %% ../nbs/05_learner.ipynb #f9868e5f
+# %% ../nbs/05_learner.ipynb #b7180a44
 def _check_scaler_entry(learn, file, cb):
     "Raise, naming the key, if the checkpoint's loss scaler entry is malformed; before anything is loaded"
     path = join_path_file(file, learn.path/learn.model_dir, ext='.pth')
@@ -220,7 +237,7 @@ def _check_scaler_entry(learn, file, cb):
     if isinstance(state, dict) and set(state) == {'model', 'opt'} and isinstance(state['opt'], dict) and _scaler_key in state['opt']:
         cb.scaler.check_state_dict(state['opt'][_scaler_key])
 
-# %% ../nbs/05_learner.ipynb #5655998e
+# %% ../nbs/05_learner.ipynb #ee8162dd
 _load = _fastai_method('load')
 
 @wraps(_load)
@@ -236,7 +253,7 @@ def _guarded_load(self, file, device=None, **kwargs):
     return self
 Learner.load = _guarded_load
 
-# %% ../nbs/05_learner.ipynb #6b1aa060
+# %% ../nbs/05_learner.ipynb #085173f2
 _export = _fastai_method('export')
 
 @contextmanager

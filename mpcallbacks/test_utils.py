@@ -12,7 +12,7 @@ from functools import wraps
 import torch
 from torch import nn
 from fastai.basics import Learner, Callback, DataLoaders, CrossEntropyLossFlat, accuracy, set_seed, noop
-from fastai.callback.fp16 import MixedPrecision
+from .callback import MasterMixedPrecision
 
 # %% auto #0
 __all__ = ['sync_methods', 'synth_dls', 'synth_model', 'synth_learner', 'opt_params', 'InjectNonFinite', 'count_syncs']
@@ -56,7 +56,7 @@ def opt_params(learn:Learner) -> list: # Every parameter of `learn.opt`, group b
 # %% ../nbs/97_test_utils.ipynb #44c779c7
 class InjectNonFinite(Callback):
     "Put an inf (or NaN) into one gradient at the chosen optimizer steps, before mixed precision reads the gradients"
-    order = MixedPrecision.order - 1
+    order = MasterMixedPrecision.order - 1
     def __init__(self,
         at, # Optimizer steps (counted from 0 over the callback's life) that get the value
         value:float=float('inf'), # What to write

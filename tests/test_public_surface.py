@@ -45,3 +45,24 @@ def test_to_mixed_keeps_its_keyword_arguments_and_readouts():
     assert (mmp.loss_scale, mmp.skipped, mmp.scaler.growth_interval, mmp.scaler.min_scale) == (2.**10, 0, 7, 2.)
     learn.fit(1, 1e-2)
     assert callable(mmp.plot_loss_scale) and isinstance(mmp.loss_scale, float)
+
+def test_importing_mpcallbacks_leaves_fastais_defaults_alone():
+    code = ("from fastai.learner import defaults\nbefore = list(defaults.callbacks)\nfrom mpcallbacks.all import *\n"
+            "assert defaults.callbacks == before, (before, defaults.callbacks)\nprint('ok')")
+    out = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True)
+    assert out.stdout.strip() == 'ok', out.stderr
+
+@pytest.mark.parametrize('fastai_first', [True, False], ids=['fastai.callback.fp16 first', 'mpcallbacks first'])
+def test_fastais_to_fp32_removes_ours_too(fastai_first):
+    code = ("import fastai.callback.fp16\nfrom mpcallbacks.all import *\n" if fastai_first else
+            "from mpcallbacks.all import *\nimport fastai.callback.fp16\n")
+    code += ("from mpcallbacks.test_utils import synth_learner\nimport torch\n"
+             "for undo in ('to_fp32', 'to_non_native_fp32'):\n"
+             "    learn = synth_learner().to_mixed(torch.bfloat16)\n"
+             "    getattr(learn, undo)()\n"
+             "    assert not learn._grab_cbs(MasterMixedPrecision), undo\n"
+             "    learn.fit(1)\n"
+             "    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}\n"
+             "print('ok')")
+    out = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True)
+    assert out.stdout.strip() == 'ok', out.stderr
