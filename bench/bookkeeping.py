@@ -35,6 +35,16 @@ def bookkeeping_fns(model:nn.Module, dtype=torch.float16, device='cpu', loss_sca
         found_inf = scaler.unscale_(grads)
         return found_inf.item() # the callback's one host sync per step
     def ours_copy_back(): masters.masters_to_model()
+    # Ours where torch has `grad_dtype` (the default there, outside DDP): backward wrote FP32 gradients into the 16-bit
+    # parameters, and the masters adopt them by reference; what is left is the unscale-and-check pass.
+    lean16,lean32 = _16bit_params_with_grads(model, dtype),_fp32_masters(model)
+    for p in lean16: p.grad = None
+    lean = MasterParams(list(zip(lean16, lean32)))
+    has_fp32_grads = lean.set_fp32_grads(True)
+    lean_g32 = [torch.randn_like(p, dtype=torch.float32) * 1e-2 for p in lean16]
+    def lean_backward_done(): # untimed: fresh FP32 gradients, as backward writes them (the last round's were unscaled in place)
+        for p,g in zip(lean16, lean_g32): p.grad = g.clone()
+    def lean_grad_path(): return scaler.unscale_(lean.grads_to_masters()).item()
 
     # fastai: what `NonNativeMixedPrecision.before_step` and `after_step` run (dynamic scaling, no clipping).
     fa16,fa32 = [_16bit_params_with_grads(model, dtype)],[_fp32_masters(model)]
@@ -68,6 +78,7 @@ def bookkeeping_fns(model:nn.Module, dtype=torch.float16, device='cpu', loss_sca
     def copy_32_to_16(): copy16.copy_(copy32)
     return {'copy_ 16->32': copy_16_to_32, 'copy_ 32->16': copy_32_to_16,
             'ours grad path': (backward_done, ours_grad_path), 'fastai grad path': fastai_grad_path,
+            **({'ours grad path, FP32 grads (grad_dtype)': (lean_backward_done, lean_grad_path)} if has_fp32_grads else {}),
             'ours copy-back': ours_copy_back, 'fastai copy-back': fastai_copy_back,
             'ref: foreach copy+unscale': foreach_copy_unscale, 'ref: flat copy+unscale': flat_copy_unscale}
 
@@ -78,8 +89,10 @@ def run_bookkeeping(device, warmup:int=5, repeats:int=25, dtype=torch.float16) -
         fns = bookkeeping_fns(model, dtype, device)
         ms = {k:median_ms(v) for k,v in time_side_by_side(fns, device, warmup, repeats).items()}
         rows.append(dict(model=name, tensors=n_tensors(model), params_M=n_params(model)/1e6, ms=ms,
-            grad_vs_copy=ms['ours grad path'] / ms['copy_ 16->32'],
-            fastai_vs_ours=ms['fastai grad path'] / ms['ours grad path'],
+            # the default path: FP32 gradients from autograd where torch has `grad_dtype`, else the 16->32 conversion
+            grad_vs_copy=ms.get('ours grad path, FP32 grads (grad_dtype)', ms['ours grad path']) / ms['copy_ 16->32'],
+            grad16_vs_copy=ms['ours grad path'] / ms['copy_ 16->32'],
+            fastai_vs_ours=ms['fastai grad path'] / ms.get('ours grad path, FP32 grads (grad_dtype)', ms['ours grad path']),
             back_vs_copy=ms['ours copy-back'] / ms['copy_ 32->16'],
             back_vs_copy16=ms['ours copy-back'] / ms['copy_ 16->32'],
             fastai_vs_copy=ms['fastai grad path'] / ms['copy_ 16->32'])) # the most any grad path could gain over fastai's

@@ -11,7 +11,7 @@ from fastai.basics import *
 from .cast import cast_model, always_fp32, as_16bit_dtype, warn_if_slow, ModelCast
 from .scaler import LossScaler, NonFiniteGradients
 from .master import MasterParams, GradPhase
-from .distributed import RankAgreement
+from .distributed import RankAgreement, ddp_wrapped
 
 # %% auto #0
 __all__ = ['MixedFit', 'MasterMixedPrecision']
@@ -59,6 +59,8 @@ def start_training(self:MixedFit) -> None:
                            "it would train nothing: it was built while the model was cast. Build it outside the fit, or "
                            "with `learn.create_opt()`, which builds it on the FP32 model.")
     self.masters.fp32_params = [p for p in opt_params if id(p) not in masters]
+    # FP32 gradients straight from autograd, but not under DDP, whose buckets hold the parameters' own type
+    self.masters.set_fp32_grads(not ddp_wrapped(self.learn.model))
     self.ranks.start_training(self.learn.model, self.cast)
 
 # %% ../nbs/03_callback.ipynb #a2f2fc36
@@ -93,6 +95,7 @@ def weights_note(self:MixedFit) -> str: # A sentence for an error message
 @patch
 def close(self:MixedFit) -> None:
     "Put the FP32 model back for good, equal to the masters"
+    self.masters.set_fp32_grads(False)
     self._hide_fp32_parameters()
     self.cast.restore()
 

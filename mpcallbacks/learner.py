@@ -27,8 +27,8 @@ def _check_no_fastai_fp16(learn, cbs=None):
     "Refuse fastai's own mixed precision next to ours: both would cast the model and scale the loss"
     if any(isinstance(cb, _fastai_fp16()) for cb in list(learn.cbs) + list(L(cbs))):
         raise ValueError("`to_mixed()` cannot be combined with fastai's `to_fp16()`/`to_bf16()`/`to_non_native_fp16()`: "
-                         "both cast the model and scale the loss. Remove fastai's with `learn.to_fp32()` (or "
-                         "`learn.to_non_native_fp32()`), or remove ours with `learn.to_unmixed()`.")
+                         "both cast the model and scale the loss. Keep one: `learn.remove_cb(MixedPrecision)` removes fastai's, "
+                         "`learn.to_unmixed()` ours, and `learn.to_fp32()` both.")
 
 # %% ../nbs/05_learner.ipynb #ef17299f
 def _undo_with_fastai():

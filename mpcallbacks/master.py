@@ -12,8 +12,10 @@ import torch
 from torch import Tensor
 from fastcore.basics import patch
 
+HAS_GRAD_DTYPE = hasattr(Tensor, 'grad_dtype') # torch 2.10 on: autograd casts a leaf's incoming gradients to it
+
 # %% auto #0
-__all__ = ['GradPhase', 'GradPhaseError', 'MasterParams']
+__all__ = ['HAS_GRAD_DTYPE', 'GradPhase', 'GradPhaseError', 'MasterParams']
 
 # %% ../nbs/02_master.ipynb #38f37c40
 class GradPhase(Enum):
@@ -37,6 +39,7 @@ class MasterParams:
         self.fp32_params = list(fp32_params)
         self.phase = GradPhase.EMPTY # Where this step's gradients are in their life (see below)
         self._in_masters,self._grads = False,[] # whether the open window already put gradients in the masters; what unscale_ unscaled
+        self.fp32_grads = False # Whether autograd writes the 16-bit parameters' gradients in FP32 (`set_fp32_grads`)
 
     def __len__(self): return len(self.masters)
     def __repr__(self): return f"{type(self).__name__}({len(self)} masters, {len(self.fp32_params)} FP32 params)"
@@ -46,19 +49,16 @@ class MasterParams:
 def grads_to_masters(self:MasterParams,
     accumulate:bool=False, # Add to the masters' gradients instead of overwriting them
 ) -> list: # Every FP32 gradient the optimizer will step on (masters' and `fp32_params`')
-    "Copy (or add) the 16-bit gradients into the masters' FP32 gradients, then drop the 16-bit ones"
-    pairs = [(p.grad, m) for p,m in zip(self.model_params, self.masters) if p.grad is not None]
-    old = [(g, m.grad) for g,m in pairs if m.grad is not None]
-    new = [(g, m) for g,m in pairs if m.grad is None]
-    # Masters without a gradient (first step, or an optimizer that sets gradients to None) get a fresh FP32 one.
-    for g,m in new: m.grad = g.float()
-    if old:
-        g16,g32 = zip(*old)
-        if accumulate: torch._foreach_add_(g32, g16)
-        else:          torch._foreach_copy_(g32, g16)
-    # Dropping the 16-bit gradients, rather than zeroing them, spares a write pass: the next backward's AccumulateGrad
-    # then adopts its incoming gradient instead of adding it to zeros. It also frees their memory between steps.
-    for p in self.model_params: p.grad = None
+    "Move the model's gradients into the masters' FP32 gradients (or add them there), leaving none in the model"
+    pairs = [(p, m) for p,m in zip(self.model_params, self.masters) if p.grad is not None]
+    add = [(p, m) for p,m in pairs if accumulate and m.grad is not None]
+    if add: torch._foreach_add_([m.grad for _,m in add], [p.grad for p,_ in add])
+    for p,m in pairs:
+        # FP32 gradients (`grad_dtype`) are adopted by reference; 16-bit ones converted one at a time
+        if not (accumulate and m.grad is not None): m.grad = p.grad if p.grad.dtype == m.dtype else p.grad.to(m.dtype)
+        # Dropping the model's gradient, rather than zeroing it, lets the next backward's AccumulateGrad adopt its
+        # incoming gradient instead of adding it to zeros; and nothing of it stays alive between steps.
+        p.grad = None
     # Masters that got no gradient now may hold one from earlier in the window (accumulation), or the zeros an
     # optimizer's `zero_grad` left: the optimizer steps on those too, so they are unscaled and checked with the rest.
     return [m.grad for m in self.masters if m.grad is not None] + [p.grad for p in self.fp32_params if p.grad is not None]
@@ -106,14 +106,19 @@ def stepped(self:MasterParams) -> None:
         raise GradPhaseError(f"stepped() with {self.phase.value}: the optimizer may only step on gradients that "
                              "unscale_() unscaled and checked.")
     self.masters_to_model()
+    self._free_grads()
     self._close_window()
+
+@patch
+def _free_grads(self:MasterParams):
+    for p in self.model_params + self.masters + self.fp32_params: p.grad = None
 
 # %% ../nbs/02_master.ipynb #6756e1be
 @patch
 def skip(self:MasterParams) -> None:
     "Drop the window's gradients: nothing is stepped"
     if self.phase is GradPhase.EMPTY: raise GradPhaseError("skip() with no gradients since the last step: nothing to skip.")
-    for p in self.model_params + self.masters + self.fp32_params: p.grad = None
+    self._free_grads()
     self._close_window()
 
 # %% ../nbs/02_master.ipynb #f2e53194
@@ -122,10 +127,31 @@ def cancel(self:MasterParams,
     scale:float, # The loss scale the window's gradients carry
     keep_in_model:bool=False, # Leave the model's gradients where they are (for DDP's `no_sync`)
 ) -> None:
-    "Keep the window open for more backward passes: its gradients stay scaled, adding up in FP32 in the masters"
+    "Keep the window open for more backward passes: its gradients stay scaled and add up in FP32"
     if self.phase is GradPhase.UNSCALED:
         if scale != 1.: torch._foreach_mul_(self._grads, scale)
         self._grads,self.phase = [],GradPhase.SCALED
-    elif self.phase is GradPhase.SCALED and not keep_in_model:
+        if self.fp32_grads: # back to the model, where autograd adds the next backward's, in FP32
+            for p,m in zip(self.model_params, self.masters):
+                if m.grad is not None: p.grad,m.grad = m.grad,None
+            self._in_masters = False
+    elif self.phase is GradPhase.SCALED and not keep_in_model and not self.fp32_grads:
         self.grads_to_masters(accumulate=self._in_masters)
         self._in_masters = True
+
+# %% ../nbs/02_master.ipynb #a347a791
+@patch
+def set_fp32_grads(self:MasterParams,
+    on:bool, # FP32 gradients from autograd (if torch has `grad_dtype`), or gradients of the parameters' own type
+) -> bool: # Whether autograd now writes FP32 gradients
+    "Have autograd write the 16-bit parameters' gradients in FP32 (`Tensor.grad_dtype`), or in their own type"
+    on = on and HAS_GRAD_DTYPE
+    if HAS_GRAD_DTYPE:
+        for p in self.model_params:
+            want = torch.float32 if on else p.dtype
+            if p.grad_dtype == want: continue
+            g,p.grad = p.grad,None # torch refuses to change `grad_dtype` while a gradient of the other type is there
+            p.grad_dtype = want
+            if g is not None: p.grad = g.to(want)
+    self.fp32_grads = on
+    return on
