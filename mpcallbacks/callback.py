@@ -109,14 +109,16 @@ class MasterMixedPrecision(Callback):
         loss_scale:str|float|None='auto', # 'dynamic', a positive number (static) or None; 'auto': dynamic for float16, None for bfloat16
         keep_fp32:tuple=(), # More module types or name patterns to keep in FP32 (normalization layers always are)
         check_drift:bool=False, # After each step, check that the 16-bit weights equal the masters cast to 16 bits
+        mixed_inference:bool=False, # `get_preds`/`validate`/`predict` outside a fit in 16 bits too; False: in FP32, as the exported learner
         **kwargs
     ):
         self.dtype = as_16bit_dtype(dtype)
         self.scaler = LossScaler.from_loss_scale(self.dtype, loss_scale, **kwargs)
         bad = [k for k in tuplify(keep_fp32) if not isinstance(k, (type, str))]
         if bad: raise TypeError(f"keep_fp32 takes module types and name patterns, got {bad}")
-        if not isinstance(check_drift, bool): raise TypeError(f"check_drift must be True or False, got {check_drift!r}")
-        self.keep,self.check_drift = always_fp32 + tuple(tuplify(keep_fp32)),check_drift
+        for k,v in (('check_drift', check_drift), ('mixed_inference', mixed_inference)):
+            if not isinstance(v, bool): raise TypeError(f"{k} must be True or False, got {v!r}")
+        self.keep,self.check_drift,self.mixed_inference = always_fp32 + tuple(tuplify(keep_fp32)),check_drift,mixed_inference
         self.fit_state:MixedFit|None = None # Built at `before_fit`, dropped when the FP32 model is back
         self.stopped_by:Exception|None = None # What cancelled the last fit, raised by `Learner.fit` once every `after_fit` ran
 

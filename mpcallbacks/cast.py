@@ -18,11 +18,11 @@ from torch.nn.utils.rnn import PackedSequence
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['always_fp32', 'norms_taking_16bit_input', 'keeps_fp32', 'as_16bit_dtype', 'warn_if_slow', 'CastSlot', 'CastPair',
-           'check_castable', 'unmatched_names', 'ModelCast', 'cast_model']
+__all__ = ['always_fp32', 'norms_taking_16bit_input', 'keeps_fp32', 'as_16bit_dtype', 'native_16bit_dtypes', 'warn_if_slow',
+           'CastSlot', 'CastPair', 'check_castable', 'unmatched_names', 'ModelCast', 'cast_model']
 
-# %% ../nbs/00_cast.ipynb #896f8a4d
-always_fp32 = (_NormBase,)  # BatchNorm*, SyncBatchNorm, InstanceNorm*: their running stats need FP32
+# %% ../nbs/00_cast.ipynb #82befbf2
+always_fp32 = (_NormBase, nn.LayerNorm, nn.GroupNorm) # every normalization layer: statistics and their parameters in FP32
 norms_taking_16bit_input = (_NormBase, nn.LayerNorm, nn.GroupNorm) # FP32 layers whose kernels take 16-bit input and return it
 
 # %% ../nbs/00_cast.ipynb #54cebf4f
@@ -57,26 +57,45 @@ def as_16bit_dtype(
                          "For plain FP32 training, remove the callback with `learn.to_unmixed()`.")
     return dtype
 
-# %% ../nbs/00_cast.ipynb #b5981881
+# %% ../nbs/00_cast.ipynb #8afed8a4
+def _cpu_has(feature:str) -> bool: # torch.cpu reports these from torch 2.3 on; where it cannot tell, assume the worst
+    f = getattr(torch.cpu, f'_is_{feature}_supported', None)
+    return bool(f and f())
+
+def native_16bit_dtypes(
+    device:torch.device, # A CPU or a CUDA device
+) -> set: # The 16-bit types `device` computes natively
+    "The 16-bit types torch reports `device` as computing natively, rather than emulating"
+    dev = torch.device(device)
+    if dev.type == 'cuda':
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        return {torch.float16, torch.bfloat16} if bf16 else {torch.float16}
+    if dev.type != 'cpu': return {torch.float16, torch.bfloat16} # other accelerators: no way to tell, no warning
+    res = set()
+    if _cpu_has('avx512_bf16') or _cpu_has('amx_tile'): res.add(torch.bfloat16)
+    if _cpu_has('amx_fp16'): res.add(torch.float16)
+    return res
+
+# %% ../nbs/00_cast.ipynb #c6a2f514
 _warned = set()
 
 def warn_if_slow(
     dtype:torch.dtype, # The 16-bit type the model is cast to
     device:torch.device, # Where the model's parameters live
 ) -> None:
-    "Warn once where `dtype` is slow on `device`, naming the faster choice"
+    "Warn once where `dtype` is emulated on `device`, naming the faster choice"
     dev = torch.device(device)
-    msg = None
-    if dev.type == 'cpu' and dtype == torch.float16:
-        msg = ("float16 math is emulated on this CPU and much slower than FP32 or bfloat16; "
-               "`to_mixed(torch.bfloat16)` is the faster choice here (float16 still trains correctly).")
-    elif dev.type == 'cuda' and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
-        msg = "This GPU has no native bfloat16; `to_mixed(torch.float16)` is the faster choice here."
-    if msg is None or (dev.type, dtype) in _warned: return
+    native = native_16bit_dtypes(dev)
+    if dtype in native or (dev.type, dtype) in _warned: return
     _warned.add((dev.type, dtype))
-    warnings.warn(msg, stacklevel=3)
+    name,other = str(dtype)[6:],({torch.float16, torch.bfloat16} - {dtype}).pop()
+    where = 'this CPU' if dev.type == 'cpu' else 'this GPU'
+    faster = (f"`to_mixed({other})` is native here and the faster choice" if other in native else
+              "FP32 (`learn.to_unmixed()`) is faster here; mixed precision pays off on a GPU, or a CPU with AMX")
+    warnings.warn(f"{name} math is emulated on {where} and much slower than FP32: {faster} ({name} still trains correctly).",
+                  stacklevel=3)
 
-# %% ../nbs/00_cast.ipynb #33888e84
+# %% ../nbs/00_cast.ipynb #9a169c1f
 class CastSlot(NamedTuple):
     "A parameter slot of a module, with the 16-bit copy that stands in it and the FP32 original kept aside"
     module:nn.Module # The module that owns the slot
@@ -85,13 +104,13 @@ class CastSlot(NamedTuple):
     original:Tensor # The FP32 tensor the model holds otherwise
     key:str = '' # The slot's key in the model's `state_dict`
 
-# %% ../nbs/00_cast.ipynb #01d4209d
+# %% ../nbs/00_cast.ipynb #9dcea903
 class CastPair(NamedTuple):
     "A 16-bit copy and its FP32 original (the master), once per tensor however many slots it fills"
     copy:Tensor # The 16-bit parameter
     original:Tensor # Its FP32 original
 
-# %% ../nbs/00_cast.ipynb #d93147cd
+# %% ../nbs/00_cast.ipynb #a933b130
 def _is_16bit(t:Tensor) -> bool: return t.dtype in (torch.float16, torch.bfloat16)
 def _qual(*parts): return '.'.join(p for p in parts if p)
 
@@ -119,7 +138,7 @@ def _cast_plan(model, keep) -> tuple:
              for n,p in m._parameters.items() if p is not None and p.is_floating_point() and id(p) not in kept]
     return kept_tops,slots
 
-# %% ../nbs/00_cast.ipynb #a3abb87a
+# %% ../nbs/00_cast.ipynb #36989f53
 def check_castable(
     model:nn.Module, # The model to train in mixed precision
     keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
@@ -148,7 +167,7 @@ def check_castable(
                                 "cannot be 16-bit in one layer and FP32 in the other. Untie them, or keep both layers in "
                                 "FP32 with `keep_fp32`.")
 
-# %% ../nbs/00_cast.ipynb #ec209338
+# %% ../nbs/00_cast.ipynb #c2d3e319
 def unmatched_names(
     model:nn.Module, # The model
     keep:tuple, # Types and name patterns of modules that stay in FP32
@@ -157,13 +176,14 @@ def unmatched_names(
     names = [n for n,_ in model.named_modules()]
     return [k for k in keep if isinstance(k, str) and not any(fnmatchcase(n, k) for n in names)]
 
-# %% ../nbs/00_cast.ipynb #c108b8f1
+# %% ../nbs/00_cast.ipynb #360f84c5
 @dataclass
 class ModelCast:
     "Record of a model's tensors swapped for 16-bit copies: `uncast`, `recast` or `restore` them"
     params:list = field(default_factory=list)  # A `CastSlot` per parameter slot
     hooks:list = field(default_factory=list)   # Handles of the dtype hooks, while cast
     state_hooks:list = field(default_factory=list) # Handles of the state-dict hooks, from the cast to `restore`
+    attrs16:set = field(default_factory=set) # (module id, name) of the plain 16-bit tensor attributes modules had before the cast
     kept:list = field(default_factory=list)    # The outermost modules kept in FP32
     model:nn.Module|None = None
     dtype:torch.dtype = torch.float16
@@ -179,7 +199,7 @@ class ModelCast:
         "The device of the cast model (of its first cast tensor, for a model spread over several)"
         return self.params[0].copy.device
 
-# %% ../nbs/00_cast.ipynb #5d6307e0
+# %% ../nbs/00_cast.ipynb #a6d2587a
 @patch
 def _put(self:ModelCast, side:str) -> None:
     "Put the `side` ('copy' or 'original') of every slot into its module, all or none"
@@ -201,7 +221,7 @@ def copies_differ(self:ModelCast,
     dev = slots[0].copy.device # one sync, also for a model spread over several devices
     return torch.stack([(s.copy != s.original.to(s.copy.dtype)).any().to(dev) for s in slots]).tolist()
 
-# %% ../nbs/00_cast.ipynb #f58ecdc4
+# %% ../nbs/00_cast.ipynb #32f0a83d
 @patch
 def sync_copies(self:ModelCast) -> None:
     "Copy the originals' values into the 16-bit copies"
@@ -209,7 +229,7 @@ def sync_copies(self:ModelCast) -> None:
     if not pairs: return
     with torch.no_grad(): torch._foreach_copy_([s.copy for s in pairs], [s.original for s in pairs])
 
-# %% ../nbs/00_cast.ipynb #c9d1230f
+# %% ../nbs/00_cast.ipynb #52b80068
 @patch
 def uncast(self:ModelCast) -> None:
     "Put the FP32 originals in the model"
@@ -217,7 +237,7 @@ def uncast(self:ModelCast) -> None:
     for h in self.hooks: h.remove()
     self.hooks,self.cast = [],False
 
-# %% ../nbs/00_cast.ipynb #24747ec0
+# %% ../nbs/00_cast.ipynb #47d68ab7
 @patch
 def recast(self:ModelCast) -> None:
     "Copy the originals' values into the 16-bit copies and put those in the model again"
@@ -237,15 +257,19 @@ def _swap_in(self:ModelCast) -> None:
         raise
     self.cast = True
 
-# %% ../nbs/00_cast.ipynb #e267956f
+# %% ../nbs/00_cast.ipynb #ecaef0ca
 @patch
 def restore(self:ModelCast) -> None:
-    "Put the FP32 originals back for good, without the hooks"
+    "Put the FP32 originals back for good, without the hooks, and no 16-bit tensor the fit left behind"
     self.uncast()
+    if self.model is not None: # e.g. fastai's WeightDropout sets its LSTM's `weight_hh_l0` from the 16-bit copy at each forward
+        for m in self.model.modules():
+            for k,v in list(vars(m).items()):
+                if isinstance(v, Tensor) and _is_16bit(v) and (id(m), k) not in self.attrs16: setattr(m, k, v.float())
     for h in self.state_hooks: h.remove()
     self.params,self.kept,self.model,self.state_hooks = [],[],None,[]
 
-# %% ../nbs/00_cast.ipynb #c54af7bf
+# %% ../nbs/00_cast.ipynb #397af08b
 def _to(x, dtype):
     "`x` with its floating-point tensors cast to `dtype`, in containers kept as they are (namedtuple, `PackedSequence`, subclasses)"
     if isinstance(x, Tensor): return x.to(dtype) if x.is_floating_point() else x
@@ -270,7 +294,7 @@ def _hook_dtypes(cast_modules, dtype, kept_tops, into:list) -> list:
         into.append(m.register_forward_hook(out_16))
     return into
 
-# %% ../nbs/00_cast.ipynb #f6600179
+# %% ../nbs/00_cast.ipynb #11ff0b5b
 @patch
 def _hook_state_dicts(self:ModelCast) -> None:
     m = self.model
@@ -299,7 +323,7 @@ def _after_load(self:ModelCast, module, incompatible_keys):
     if getattr(self, '_reload', False): self.recast()
     self._reload = False
 
-# %% ../nbs/00_cast.ipynb #312c48ff
+# %% ../nbs/00_cast.ipynb #9fde79e5
 def cast_model(
     model:nn.Module, # The FP32 model to cast
     dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`
@@ -314,6 +338,9 @@ def cast_model(
         for q,m,n,p in plan:
             if id(p) not in copies: copies[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
             res.params.append(CastSlot(m, n, copies[id(p)], p, q))
+    res.attrs16 = _attrs16(model)
     res._swap_in()
     res._hook_state_dicts()
     return res
+
+def _attrs16(model) -> set: return {(id(m), k) for m in model.modules() for k,v in vars(m).items() if isinstance(v, Tensor) and _is_16bit(v)}

@@ -135,8 +135,11 @@ _validation_context = _fastai_method('validation_context')
 @wraps(_validation_context)
 def _guarded_validation_context(self, cbs=None, inner=False):
     ctx = _validation_context(self, cbs=cbs, inner=inner)
-    if not _mixed_cbs(self, cbs): return ctx
-    return _Unwinding([_entry_point(self, cbs)] + list(ctx.default))
+    mine = _mixed_cbs(self, cbs)
+    if not mine: return ctx
+    # Outside a fit, inference runs in FP32 as the exported learner does, unless the callback asks for 16 bits
+    fp32 = [cb for cb in self._grab_cbs(MasterMixedPrecision) if not cb.mixed_inference] if self not in _entry_depth else []
+    return _Unwinding([_entry_point(self, cbs)] + ([self.removed_cbs(fp32)] if fp32 else []) + list(ctx.default))
 Learner.validation_context = _guarded_validation_context
 
 # %% ../nbs/05_learner.ipynb #c341fa88

@@ -61,6 +61,8 @@ def grads_to_masters(self:MasterParams,
         p.grad = None
     # Masters that got no gradient now may hold one from earlier in the window (accumulation), or the zeros an
     # optimizer's `zero_grad` left: the optimizer steps on those too, so they are unscaled and checked with the rest.
+    for p in self.masters + self.fp32_params: # a sparse gradient is coalesced, so that its values can be unscaled in place
+        if p.grad is not None and p.grad.is_sparse and not p.grad.is_coalesced(): p.grad = p.grad.coalesce()
     return [m.grad for m in self.masters if m.grad is not None] + [p.grad for p in self.fp32_params if p.grad is not None]
 
 # %% ../nbs/02_master.ipynb #7b6c67b0
@@ -129,7 +131,8 @@ def cancel(self:MasterParams,
 ) -> None:
     "Keep the window open for more backward passes: its gradients stay scaled and add up in FP32"
     if self.phase is GradPhase.UNSCALED:
-        if scale != 1.: torch._foreach_mul_(self._grads, scale)
+        if scale != 1.:
+            for g in self._grads: g.mul_(scale)
         self._grads,self.phase = [],GradPhase.SCALED
         if self.fp32_grads: # back to the model, where autograd adds the next backward's, in FP32
             for p,m in zip(self.model_params, self.masters):

@@ -144,6 +144,8 @@ def unscale_(self:LossScaler,
     _check_scale('scale', self.scale) # set out of range by hand, 1/scale would turn the gradients inf or NaN unflagged
     if any(g.dtype != torch.float32 for g in grads):
         raise TypeError("unscale_ takes FP32 gradients: unscaling in 16 bits would flush small gradients to zero")
+    # A sparse gradient (`nn.Embedding(sparse=True)`) has no fused kernel of its own: its values, once coalesced, do.
+    grads = [g._values() if g.is_sparse else g for g in grads]
     # The reciprocal is taken in float64 so that it is exact for every power-of-two scale, then stored as float32.
     inv = _f32(1./self.scale)
     flags = []
