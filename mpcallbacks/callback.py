@@ -29,6 +29,7 @@ class MixedFit:
         self.nested = 0 # `before_fit`s dispatched inside this fit (`get_preds` from a callback): their `after_fit` is not the end
         originals = {id(c.copy):c.original for c in self.cast.pairs}
         self.fp32_model_params = [originals.get(id(p), p) for p in learn.model.parameters()]
+        self.requires_grad = [c.original.requires_grad for c in self.cast.pairs] # as last agreed by each copy and its master
         self._show_fp32_parameters()
 
     def __repr__(self): return f"{type(self).__name__}({len(self.cast.pairs)} cast tensors, {self.masters.phase.name})"
@@ -46,11 +47,22 @@ def _show_fp32_parameters(self:MixedFit): self.learn.parameters = self.parameter
 def _hide_fp32_parameters(self:MixedFit):
     if self.learn.__dict__.get('parameters') == self.parameters: del self.learn.__dict__['parameters']
 
-# %% ../nbs/03_callback.ipynb #3e5da737
+# %% ../nbs/03_callback.ipynb #e71a41b0
+@patch
+def sync_requires_grad(self:MixedFit) -> None:
+    "Give each copy and its master the `requires_grad` of whichever side changed it since they last agreed"
+    for i,c in enumerate(self.cast.pairs):
+        a,b = c.copy.requires_grad,c.original.requires_grad
+        if a != b:
+            if a != self.requires_grad[i]: c.original.requires_grad_(a) # the model's side changed (GANTrainer)
+            else: c.copy.requires_grad_(b)                               # the optimizer's side changed (freeze)
+        self.requires_grad[i] = c.copy.requires_grad
+
+# %% ../nbs/03_callback.ipynb #92a44b3a
 @patch
 def start_training(self:MixedFit) -> None:
     "Follow `freeze`/`unfreeze` and a new optimizer; under DDP, start every rank from rank 0's masters"
-    for c in self.cast.pairs: c.copy.requires_grad_(c.original.requires_grad)
+    self.sync_requires_grad()
     copies,masters = {id(c.copy) for c in self.cast.pairs},{id(c.original) for c in self.cast.pairs}
     opt_params = list({id(p):p for pg in self.learn.opt.param_lists for p in pg}.values())
     n_copies = sum(id(p) in copies for p in opt_params)
@@ -63,7 +75,7 @@ def start_training(self:MixedFit) -> None:
     self.masters.set_fp32_grads(not ddp_wrapped(self.learn.model))
     self.ranks.start_training(self.learn.model, self.cast)
 
-# %% ../nbs/03_callback.ipynb #a2f2fc36
+# %% ../nbs/03_callback.ipynb #9fa9cd52
 @contextmanager
 def _fp32_block(fit:MixedFit):
     if not fit.cast.cast:
@@ -81,7 +93,7 @@ def fp32(self:MixedFit): # A context manager
     "The FP32 model, and the learner's own `parameters`, for the length of a `with` block"
     return _fp32_block(self)
 
-# %% ../nbs/03_callback.ipynb #49bd48b8
+# %% ../nbs/03_callback.ipynb #fcfca514
 @patch
 def weights_note(self:MixedFit) -> str: # A sentence for an error message
     "Whether the FP32 weights are the last good ones, or themselves non-finite (one host sync, at the end of a fit)"
@@ -91,15 +103,16 @@ def weights_note(self:MixedFit) -> str: # A sentence for an error message
     return ("Some weights are themselves inf or NaN, which no step of mixed precision wrote (they were loaded, or written "
             "by hand): load a good checkpoint.")
 
-# %% ../nbs/03_callback.ipynb #514bec20
+# %% ../nbs/03_callback.ipynb #a9443ce1
 @patch
 def close(self:MixedFit) -> None:
     "Put the FP32 model back for good, equal to the masters"
+    self.sync_requires_grad()
     self.masters.set_fp32_grads(False)
     self._hide_fp32_parameters()
     self.cast.restore()
 
-# %% ../nbs/03_callback.ipynb #968fa442
+# %% ../nbs/03_callback.ipynb #e2ca1c3e
 class MasterMixedPrecision(Callback):
     "Mixed precision with a 16-bit model, FP32 master weights in the optimizer, and a loss scaler"
     order = 10 # as fastai's `MixedPrecision`: before GradientClip (11) and before DistributedTrainer (11) wraps the model
@@ -140,7 +153,7 @@ class MasterMixedPrecision(Callback):
         if name == 'learn' and value is None and getattr(self, 'fit_state', None) is not None: self.end_fit()
         super().__setattr__(name, value)
 
-# %% ../nbs/03_callback.ipynb #900f8e7e
+# %% ../nbs/03_callback.ipynb #c96c743e
 @patch
 def before_fit(self:MasterMixedPrecision):
     "Cast the model to 16 bits; each copy's FP32 original, in the optimizer, is its master (inside a fit: nothing)"
@@ -151,13 +164,19 @@ def before_fit(self:MasterMixedPrecision):
     self.fit_state = MixedFit(self.learn, self.dtype, self.keep)
     warn_if_slow(self.dtype, self.fit_state.cast.device)
 
-# %% ../nbs/03_callback.ipynb #a8fab148
+# %% ../nbs/03_callback.ipynb #0d28b184
 @patch
 def before_train(self:MasterMixedPrecision):
     "Follow `freeze`/`unfreeze` and optimizer changes made between epochs; under DDP, start from rank 0's masters"
     if self.fit_state is not None: self.fit_state.start_training()
 
-# %% ../nbs/03_callback.ipynb #0e8dcd6a
+# %% ../nbs/03_callback.ipynb #12334555
+@patch
+def before_batch(self:MasterMixedPrecision):
+    "Agree on `requires_grad` between the 16-bit copies and the masters, whichever side changed it"
+    if self.fit_state is not None and self.training: self.fit_state.sync_requires_grad()
+
+# %% ../nbs/03_callback.ipynb #4a2342ba
 @patch
 def after_fit(self:MasterMixedPrecision):
     "Put the FP32 model back, equal to the masters (inside a fit: nothing)"
@@ -165,26 +184,26 @@ def after_fit(self:MasterMixedPrecision):
     if fit.nested: fit.nested -= 1
     else: self.end_fit()
 
-# %% ../nbs/03_callback.ipynb #26776c8f
+# %% ../nbs/03_callback.ipynb #ee8e7e9f
 @patch
 def end_fit(self:MasterMixedPrecision) -> None:
     "Put the FP32 model back, equal to the masters, and drop all the fit held; safe to call twice"
     fit,self.fit_state = self.fit_state,None
     if fit is not None: fit.close()
 
-# %% ../nbs/03_callback.ipynb #38a353a2
+# %% ../nbs/03_callback.ipynb #e0fc4943
 @patch
 def after_pred(self:MasterMixedPrecision):
     "Hand FP32 predictions to the loss function"
     if self.fit_state is not None: self.learn.pred = to_float(self.pred)
 
-# %% ../nbs/03_callback.ipynb #6059f877
+# %% ../nbs/03_callback.ipynb #88bdd819
 @patch
 def before_backward(self:MasterMixedPrecision):
     "Multiply the loss by the scale"
     if self.fit_state is not None: self.learn.loss_grad = self.scaler.scale_loss(self.loss_grad)
 
-# %% ../nbs/03_callback.ipynb #2b1bfbb0
+# %% ../nbs/03_callback.ipynb #a7b0abdc
 @patch
 def after_backward(self:MasterMixedPrecision):
     "Note the backward pass in the gradient lifecycle, and whether DDP all-reduced it"
@@ -192,7 +211,7 @@ def after_backward(self:MasterMixedPrecision):
     fit.masters.backward()
     fit.ranks.after_backward(self.learn.model)
 
-# %% ../nbs/03_callback.ipynb #591381a5
+# %% ../nbs/03_callback.ipynb #8c306ade
 @patch
 def before_step(self:MasterMixedPrecision):
     "Move the gradients into the masters, unscale and check them in one pass, read the verdict: skip the step on inf/NaN"
@@ -207,13 +226,13 @@ def before_step(self:MasterMixedPrecision):
         raise CancelFitException() from e
     raise CancelStepException()
 
-# %% ../nbs/03_callback.ipynb #ac798525
+# %% ../nbs/03_callback.ipynb #a5b83f1b
 @patch
 def after_cancel_step(self:MasterMixedPrecision):
     "Drop the gradients of a step another callback cancelled, as fastai's `zero_grad` does"
     if (fit := self.fit_state) is not None and fit.masters.phase is GradPhase.UNSCALED: fit.masters.skip()
 
-# %% ../nbs/03_callback.ipynb #1bfc8e16
+# %% ../nbs/03_callback.ipynb #a0b8fd67
 @patch
 def after_step(self:MasterMixedPrecision):
     "After a step the optimizer took: count it for the scale's growth, copy the stepped masters into the 16-bit weights"
@@ -222,13 +241,13 @@ def after_step(self:MasterMixedPrecision):
     fit.masters.stepped()
     if self.check_drift: self._check_drift()
 
-# %% ../nbs/03_callback.ipynb #f774ca1d
+# %% ../nbs/03_callback.ipynb #62afba17
 @patch
 def after_cancel_batch(self:MasterMixedPrecision):
     "Keep a postponed batch's gradients, scaled, in FP32 for the next step (gradient accumulation)"
     if (fit := self.fit_state) is not None: fit.masters.cancel(self.scaler.scale, keep_in_model=fit.ranks.leave_to_ddp())
 
-# %% ../nbs/03_callback.ipynb #28339e20
+# %% ../nbs/03_callback.ipynb #7ada642b
 @patch
 def _check_drift(self:MasterMixedPrecision):
     "Raise if a 16-bit weight differs from its master cast to 16 bits"
@@ -237,13 +256,13 @@ def _check_drift(self:MasterMixedPrecision):
     if n: raise RuntimeError(f"{n} 16-bit weight tensor(s) differ from their FP32 masters cast to {self.dtype}: "
                              "something wrote to the 16-bit model instead of the masters (the optimizer's parameters).")
 
-# %% ../nbs/03_callback.ipynb #06493058
+# %% ../nbs/03_callback.ipynb #229f2efc
 @patch
 def fp32_model(self:MasterMixedPrecision): # A context manager
     "Within this context the model holds its FP32 parameters, even in the middle of a fit"
     return self.fit_state.fp32() if self.fit_state is not None else nullcontext()
 
-# %% ../nbs/03_callback.ipynb #a94d2540
+# %% ../nbs/03_callback.ipynb #b447624e
 @patch
 def plot_loss_scale(self:MasterMixedPrecision,
     ax=None, # Matplotlib axes to draw on; a new figure if None
@@ -263,7 +282,7 @@ def plot_loss_scale(self:MasterMixedPrecision,
     ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
     return ax
 
-# %% ../nbs/03_callback.ipynb #0c2cebc2
+# %% ../nbs/03_callback.ipynb #86d12c84
 from mpcallbacks import learner as _learner # noqa: F401 (`Learner.to_mixed` and the guards)
 from mpcallbacks.scaler import make_scaler # noqa: F401
 

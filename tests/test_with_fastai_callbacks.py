@@ -298,3 +298,32 @@ def test_frozen_batchnorm_in_eval_keeps_fp32_stats_bit_identical():
     learn.fit(1, 1e-2, cbs=[BnFreeze(), P()])
     assert dts == {torch.float32}
     assert all(torch.equal(a, b) for a, b in zip(stats, learn.model[1].buffers()))
+
+# ---- requires_grad changed on either side in the middle of a fit
+
+def test_requires_grad_toggled_mid_epoch_on_either_side_takes_effect_at_once():
+    """A callback unfreezes the conv layer through the model (the 16-bit copy) at batch 2, and freezes the classifier
+    through the optimizer (its master) at batch 4: the conv layer trains as in FP32 from then on, the classifier stops.
+    (fastai's FP32 `zero_grad` keeps zeroed gradients, so Adam's momentum still moves a layer frozen mid-fit; mixed
+    precision frees every gradient after a step, so a frozen layer stops at once.)"""
+    class Toggle(Callback):
+        def before_batch(self):
+            if not self.training: return
+            if self.iter == 2: self.model[0].weight.requires_grad_(True)
+            if self.iter == 4:
+                self.opt.param_lists[-1][-2].requires_grad_(False) # the classifier's weight, as the optimizer holds it
+                self.frozen_at = self.opt.param_lists[-1][-2].detach().clone()
+    def run(mixed):
+        learn = synth_learner(splitter=lambda m: [list(m.parameters())]) # every parameter in the optimizer, frozen or not
+        learn.model[0].weight.requires_grad_(False)
+        if mixed: learn.to_mixed(torch.bfloat16)
+        toggle = Toggle()
+        learn.fit(1, 1e-2, cbs=toggle)
+        return learn, toggle
+    (fp32, _), (mixed, toggle) = run(False), run(True)
+    start = synth_learner().model[0].weight.detach()
+    a, b = fp32.model[0].weight.detach(), mixed.model[0].weight.detach()
+    assert mixed.model[0].weight.requires_grad and not mixed.model[4].weight.requires_grad # the FP32 model took both changes
+    assert not torch.equal(b, start), "the conv layer unfrozen through the model did not train"
+    assert (b - a).abs().max() < 0.25 * (a - start).abs().max() # bfloat16 vs FP32, over 6 steps
+    assert torch.equal(mixed.model[4].weight.detach(), toggle.frozen_at), "the classifier frozen through the optimizer kept moving"
