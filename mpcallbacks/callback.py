@@ -197,13 +197,19 @@ def after_pred(self:MasterMixedPrecision):
     "Hand FP32 predictions to the loss function"
     if self.fit_state is not None: self.learn.pred = to_float(self.pred)
 
-# %% ../nbs/03_callback.ipynb #88bdd819
+# %% ../nbs/03_callback.ipynb #870e8233
+@patch
+def after_loss(self:MasterMixedPrecision):
+    "Keep the loss in FP32, also where the loss function runs 16-bit sub-models itself (a GAN's critic)"
+    if self.fit_state is not None: self.learn.loss_grad,self.learn.loss = to_float(self.loss_grad),to_float(self.loss)
+
+# %% ../nbs/03_callback.ipynb #d7d292ec
 @patch
 def before_backward(self:MasterMixedPrecision):
     "Multiply the loss by the scale"
     if self.fit_state is not None: self.learn.loss_grad = self.scaler.scale_loss(self.loss_grad)
 
-# %% ../nbs/03_callback.ipynb #a7b0abdc
+# %% ../nbs/03_callback.ipynb #47c1b583
 @patch
 def after_backward(self:MasterMixedPrecision):
     "Note the backward pass in the gradient lifecycle, and whether DDP all-reduced it"
@@ -211,7 +217,7 @@ def after_backward(self:MasterMixedPrecision):
     fit.masters.backward()
     fit.ranks.after_backward(self.learn.model)
 
-# %% ../nbs/03_callback.ipynb #8c306ade
+# %% ../nbs/03_callback.ipynb #456c302e
 @patch
 def before_step(self:MasterMixedPrecision):
     "Move the gradients into the masters, unscale and check them in one pass, read the verdict: skip the step on inf/NaN"
@@ -226,13 +232,13 @@ def before_step(self:MasterMixedPrecision):
         raise CancelFitException() from e
     raise CancelStepException()
 
-# %% ../nbs/03_callback.ipynb #a5b83f1b
+# %% ../nbs/03_callback.ipynb #5cf0f83f
 @patch
 def after_cancel_step(self:MasterMixedPrecision):
     "Drop the gradients of a step another callback cancelled, as fastai's `zero_grad` does"
     if (fit := self.fit_state) is not None and fit.masters.phase is GradPhase.UNSCALED: fit.masters.skip()
 
-# %% ../nbs/03_callback.ipynb #a0b8fd67
+# %% ../nbs/03_callback.ipynb #a8570b1a
 @patch
 def after_step(self:MasterMixedPrecision):
     "After a step the optimizer took: count it for the scale's growth, copy the stepped masters into the 16-bit weights"
@@ -241,13 +247,13 @@ def after_step(self:MasterMixedPrecision):
     fit.masters.stepped()
     if self.check_drift: self._check_drift()
 
-# %% ../nbs/03_callback.ipynb #62afba17
+# %% ../nbs/03_callback.ipynb #307a99bd
 @patch
 def after_cancel_batch(self:MasterMixedPrecision):
     "Keep a postponed batch's gradients, scaled, in FP32 for the next step (gradient accumulation)"
     if (fit := self.fit_state) is not None: fit.masters.cancel(self.scaler.scale, keep_in_model=fit.ranks.leave_to_ddp())
 
-# %% ../nbs/03_callback.ipynb #7ada642b
+# %% ../nbs/03_callback.ipynb #c53d477c
 @patch
 def _check_drift(self:MasterMixedPrecision):
     "Raise if a 16-bit weight differs from its master cast to 16 bits"
@@ -256,13 +262,13 @@ def _check_drift(self:MasterMixedPrecision):
     if n: raise RuntimeError(f"{n} 16-bit weight tensor(s) differ from their FP32 masters cast to {self.dtype}: "
                              "something wrote to the 16-bit model instead of the masters (the optimizer's parameters).")
 
-# %% ../nbs/03_callback.ipynb #229f2efc
+# %% ../nbs/03_callback.ipynb #54cc3d92
 @patch
 def fp32_model(self:MasterMixedPrecision): # A context manager
     "Within this context the model holds its FP32 parameters, even in the middle of a fit"
     return self.fit_state.fp32() if self.fit_state is not None else nullcontext()
 
-# %% ../nbs/03_callback.ipynb #b447624e
+# %% ../nbs/03_callback.ipynb #dea5526b
 @patch
 def plot_loss_scale(self:MasterMixedPrecision,
     ax=None, # Matplotlib axes to draw on; a new figure if None
@@ -282,7 +288,7 @@ def plot_loss_scale(self:MasterMixedPrecision,
     ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
     return ax
 
-# %% ../nbs/03_callback.ipynb #86d12c84
+# %% ../nbs/03_callback.ipynb #40b2f499
 from mpcallbacks import learner as _learner # noqa: F401 (`Learner.to_mixed` and the guards)
 from mpcallbacks.scaler import make_scaler # noqa: F401
 

@@ -71,6 +71,8 @@ def native_16bit_dtypes(
         bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
         return {torch.float16, torch.bfloat16} if bf16 else {torch.float16}
     if dev.type != 'cpu': return {torch.float16, torch.bfloat16} # other accelerators: no way to tell, no warning
+    # The instructions help only where torch dispatches its AVX512 kernels (not when ATEN_CPU_CAPABILITY=avx2 asks for less)
+    if not torch.backends.cpu.get_cpu_capability().startswith('AVX512'): return set()
     res = set()
     if _cpu_has('avx512_bf16') or _cpu_has('amx_tile'): res.add(torch.bfloat16)
     if _cpu_has('amx_fp16'): res.add(torch.float16)
@@ -144,7 +146,8 @@ def check_castable(
     keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
 ) -> None:
     "Raise, naming the parameter, if `model` cannot be trained as 16-bit copies of FP32 masters"
-    lazy = [n for n,p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    # (the mixin, not `UninitializedParameter`: torch 2.4's Parameter metaclass calls any Parameter-wrapped subclass one)
+    lazy = [n for n,p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedTensorMixin)]
     if lazy: raise ValueError(f"Parameter `{lazy[0]}` is not initialized yet (a lazy module, {len(lazy)} such in all): its "
                               "size is known only after a first forward. Run one batch through the model before "
                               "`to_mixed()`, e.g. `learn.model(*learn.dls.one_batch()[:learn.dls.n_inp])`.")
@@ -211,6 +214,9 @@ def _put(self:ModelCast, side:str) -> None:
     except BaseException: # an interrupt half way: put back what was there, so the model is never half swapped
         for d,n,t in reversed(done): d[n] = t
         raise
+    finally: # RNNs cache a list of their weights, which setting `_parameters` directly leaves stale
+        for m in {id(s.module):s.module for s in self.params}.values():
+            if hasattr(m, '_init_flat_weights'): m._init_flat_weights()
 
 @patch
 def copies_differ(self:ModelCast,
@@ -265,7 +271,7 @@ def restore(self:ModelCast) -> None:
     if self.model is not None: # e.g. fastai's WeightDropout sets its LSTM's `weight_hh_l0` from the 16-bit copy at each forward
         for m in self.model.modules():
             for k,v in list(vars(m).items()):
-                if isinstance(v, Tensor) and _is_16bit(v) and (id(m), k) not in self.attrs16: setattr(m, k, v.float())
+                if (id(m), k) not in self.attrs16 and k != '_flat_weights' and _has_16bit(v): setattr(m, k, _to(v, torch.float32))
     for h in self.state_hooks: h.remove()
     self.params,self.kept,self.model,self.state_hooks = [],[],None,[]
 
@@ -298,10 +304,12 @@ def _hook_dtypes(cast_modules, dtype, kept_tops, into:list) -> list:
 @patch
 def _hook_state_dicts(self:ModelCast) -> None:
     m = self.model
-    post_hook = getattr(m, 'register_state_dict_post_hook', None) or m._register_state_dict_hook # public from torch 2.5
+    # Public from torch 2.5; before, the private ones take the same hooks (`with_module=True`: the module comes first)
+    post_hook = getattr(m, 'register_state_dict_post_hook', None) or m._register_state_dict_hook
+    pre_load = getattr(m, 'register_load_state_dict_pre_hook', None) or partial(m._register_load_state_dict_pre_hook, with_module=True)
     # torch marks its hooks with an attribute, which a bound method cannot take: partials can
     self.state_hooks = [post_hook(partial(ModelCast._fp32_state, self)),
-                        m.register_load_state_dict_pre_hook(partial(ModelCast._before_load, self)),
+                        pre_load(partial(ModelCast._before_load, self)),
                         m.register_load_state_dict_post_hook(partial(ModelCast._after_load, self))]
 
 @patch
@@ -343,4 +351,9 @@ def cast_model(
     res._hook_state_dicts()
     return res
 
-def _attrs16(model) -> set: return {(id(m), k) for m in model.modules() for k,v in vars(m).items() if isinstance(v, Tensor) and _is_16bit(v)}
+def _has_16bit(v) -> bool:
+    "Whether `v` is a 16-bit tensor, or a list or tuple that holds one (an RNN's hidden state)"
+    if isinstance(v, Tensor): return _is_16bit(v)
+    return isinstance(v, (list, tuple)) and any(_has_16bit(o) for o in v)
+
+def _attrs16(model) -> set: return {(id(m), k) for m in model.modules() for k,v in vars(m).items() if _has_16bit(v)}

@@ -234,8 +234,10 @@ Learner.save = _guarded_save
 def _check_scaler_entry(learn, file, cb):
     "Raise, naming the key, if the checkpoint's loss scaler entry is malformed; before anything is loaded"
     path = join_path_file(file, learn.path/learn.model_dir, ext='.pth')
+    # As fastai's `load_model` reads it: weights only, fastai's `L` allowed, where torch has `safe_globals` (2.5 on)
+    safe = getattr(torch.serialization, 'safe_globals', None)
     try:
-        with torch.serialization.safe_globals([L]): state = torch.load(path, map_location='cpu', mmap=True, weights_only=True)
+        with (safe([L]) if safe else nullcontext()): state = torch.load(path, map_location='cpu', mmap=True, weights_only=bool(safe))
     except Exception: return # fastai's own load reports what is wrong with the file itself
     if isinstance(state, dict) and set(state) == {'model', 'opt'} and isinstance(state['opt'], dict) and _scaler_key in state['opt']:
         cb.scaler.check_state_dict(state['opt'][_scaler_key])

@@ -13,6 +13,13 @@ from mpcallbacks.test_utils import synth_learner, synth_dls, synth_model, opt_pa
 from test_with_fastai_callbacks import assert_same_state
 
 def weights(learn): return [p.detach().clone() for p in learn.model.parameters()]
+
+def load_weights_only(path):
+    "A checkpoint loaded with `weights_only=True`, allowing fastai's `L` (its hypers): `safe_globals` from torch 2.5, `add_safe_globals` in 2.4"
+    if hasattr(torch.serialization, 'safe_globals'):
+        with torch.serialization.safe_globals([L]): return torch.load(path, weights_only=True)
+    torch.serialization.add_safe_globals([L])
+    return torch.load(path, weights_only=True)
 def not_16bit_exact(ts): return any(not torch.equal(t, t.half().float()) for t in ts) # a tensor no 16-bit copy could give back
 
 # ---- checkpoints store the FP32 masters, never rounded through 16 bits
@@ -26,7 +33,7 @@ def test_save_during_and_after_fit_stores_fp32_masters(tmp_path, with_opt):
         def after_epoch(self): at_epoch_end.append([p.detach().clone() for p in self.learn.parameters()])
     learn.fit(2, 1e-2, cbs=[SaveModelCallback(every_epoch=True, with_opt=with_opt, fname='ep'), Keep(), InjectNonFinite(at=[0])])
     for epoch, masters in enumerate(at_epoch_end):
-        with torch.serialization.safe_globals([L]): sd = torch.load(tmp_path/'models'/f'ep_{epoch}.pth', weights_only=True) # fastai's hypers are L
+        sd = load_weights_only(tmp_path/'models'/f'ep_{epoch}.pth')
         model_sd = sd['model'] if with_opt else sd
         params = [v for k, v in model_sd.items() if 'running' not in k and 'num_batches' not in k]
         assert all(v.dtype == torch.float32 for v in params)

@@ -1,0 +1,118 @@
+"""What a callback does to the model during a fit reaches the FP32 model as in FP32 training (issue 12, items 2 and 3):
+`requires_grad` switched mid-fit, and weight constraints written in place (clamp, max-norm).
+
+Each test fits `synth_model` twice on the same seed, in FP32 and under `to_mixed()`, with the same callback."""
+import pytest, torch
+from fastai.basics import Callback, SGD, Adam
+from mpcallbacks.test_utils import synth_learner
+from like_fp32 import fit_once, assert_like_fp32
+
+BF16, FP16 = dict(dtype=torch.bfloat16), dict(dtype=torch.float16)
+CONV, BN, LIN = 0, 1, 4 # layers of synth_model: Conv2d, BatchNorm2d, ReLU, Flatten, Linear
+
+def all_params(m): return [list(m.parameters())] # the optimizer holds frozen parameters too, as after `learn.freeze()`
+def two_groups(m): return [list(m[:2].parameters()), list(m[2:].parameters())]
+
+# ---- requires_grad switched during a fit
+
+class AtBatch(Callback):
+    "Call `f(learn)` after training batch `at` of epoch 0"
+    order = 50
+    def __init__(self, f, at=3): self.f,self.at = f,at
+    def after_batch(self):
+        if self.training and self.epoch == 0 and self.iter == self.at: self.f(self.learn)
+
+def frozen_conv(splitter, freeze):
+    def make():
+        learn = synth_learner(splitter=splitter)
+        freeze(learn)
+        return learn
+    return make
+
+UNFREEZES = {
+    # fastai's way: `learn.freeze()` before the fit, `learn.unfreeze()` mid-epoch (the optimizer switches its own tensors)
+    'learn.unfreeze': (two_groups, lambda l: l.freeze(), lambda l: l.unfreeze()),
+    # by hand: the layer's parameters, as the model holds them now, get requires_grad back
+    'layer.requires_grad_': (all_params, lambda l: l.model[CONV].requires_grad_(False),
+                             lambda l: l.model[CONV].requires_grad_(True)),
+}
+
+@pytest.mark.parametrize('how', list(UNFREEZES))
+def test_cast_layer_unfrozen_mid_epoch_then_trains_as_in_fp32(how):
+    splitter, freeze, unfreeze = UNFREEZES[how]
+    make = frozen_conv(splitter, freeze)
+    # one epoch (8 batches), unfrozen after batch 3: a layer that only starts training at the next `before_train` fails
+    ref = fit_once(make, None, 1, 1e-2, cbs=[AtBatch(unfreeze)])
+    mix = fit_once(make, BF16, 1, 1e-2, cbs=[AtBatch(unfreeze)])
+    conv = [f'{CONV}.weight', f'{CONV}.bias']
+    assert all(not torch.equal(ref.after[n], ref.before[n]) for n in conv), "FP32 itself did not train the unfrozen conv"
+    still = [n for n in conv if torch.equal(mix.after[n], mix.before[n])]
+    assert not still, f"unfrozen mid-epoch, yet never trained: {still}"
+    assert_like_fp32(ref, mix, cos_min=0.9)
+
+class FreezeAtBeforeTrain(Callback):
+    def __init__(self, order): self.order = order
+    def before_train(self): self.learn.model[CONV].requires_grad_(False)
+
+@pytest.mark.parametrize('order', [0, 50], ids=['before_ours', 'after_ours'])
+def test_cast_layer_frozen_at_before_train_stays_bit_identical(order):
+    "A callback freezes the conv at each `before_train` (before or after ours runs): FP32 leaves it bit-identical"
+    make = lambda: synth_learner(splitter=all_params)
+    ref = fit_once(make, None, 2, 1e-2, cbs=[FreezeAtBeforeTrain(order)])
+    mix = fit_once(make, BF16, 2, 1e-2, cbs=[FreezeAtBeforeTrain(order)])
+    for run in (ref, mix):
+        moved = [n for n in (f'{CONV}.weight', f'{CONV}.bias') if not torch.equal(run.after[n], run.before[n])]
+        assert not moved, f"frozen at before_train, yet changed: {moved}"
+    assert_like_fp32(ref, mix, cos_min=0.9)
+
+def test_fp32_norm_layer_unfrozen_mid_epoch_steps_as_in_fp32_in_float16():
+    """BatchNorm stays FP32 and is frozen; unfrozen mid-epoch, its SGD step (plain SGD: the step is proportional to the
+    gradient) equals FP32's within 5%, not the loss scale (65,536) times it"""
+    def make():
+        learn = synth_learner(splitter=all_params, opt_func=SGD)
+        learn.model[BN].requires_grad_(False)
+        return learn
+    unfreeze = lambda l: l.model[BN].requires_grad_(True)
+    ref = fit_once(make, None, 1, 1e-2, cbs=[AtBatch(unfreeze)])
+    mix = fit_once(make, FP16, 1, 1e-2, cbs=[AtBatch(unfreeze)])
+    for n in (f'{BN}.weight', f'{BN}.bias'):
+        step32 = (ref.after[n] - ref.before[n]).norm().item()
+        step16 = (mix.after[n] - mix.before[n]).norm().item()
+        assert step32 > 0, f"FP32 did not step {n}"
+        assert abs(step16 / step32 - 1) <= 0.05, f"{n}: step {step16:.3g}, FP32 {step32:.3g} ({step16/step32:.4g}x)"
+    assert_like_fp32(ref, mix, cos_min=0.9)
+
+# ---- weight constraints written by a callback, in place, into the model's weights
+
+class Constrain(Callback):
+    "Keep the Linear layer's weights within `c` (clamp: each |w|; max_norm: each row's 2-norm) at `event`, counting the hits"
+    order = 50
+    def __init__(self, event, how, c):
+        self.how,self.c,self.hits = how,c,0
+        setattr(self, event, self._constrain)
+    def _constrain(self):
+        if not self.training: return
+        w = self.learn.model[LIN].weight
+        with torch.no_grad():
+            if self.how == 'clamp':
+                self.hits += int((w.abs() > self.c).any())
+                w.clamp_(-self.c, self.c)
+            else:
+                self.hits += int((w.float().norm(dim=1) > self.c).any())
+                w.copy_(torch.renorm(w, 2, 0, self.c))
+
+def worst(how, w): return (w.abs().max() if how == 'clamp' else w.norm(dim=1).max()).item()
+
+@pytest.mark.parametrize('event', ['after_step', 'after_batch'])
+@pytest.mark.parametrize('how,c', [('clamp', 0.03), ('max_norm', 0.5)])
+def test_weight_constraint_written_by_a_callback_holds_on_the_fp32_model_after_fit(event, how, c):
+    make = lambda: synth_learner(opt_func=Adam)
+    cb32, cb16 = Constrain(event, how, c), Constrain(event, how, c)
+    ref = fit_once(make, None, 2, 1e-2, cbs=[cb32])
+    mix = fit_once(make, BF16, 2, 1e-2, cbs=[cb16])
+    assert cb32.hits > 3 and cb16.hits > 3, f"the constraint never bound (hits: FP32 {cb32.hits}, mixed {cb16.hits})"
+    w32, w16 = ref.after[f'{LIN}.weight'], mix.after[f'{LIN}.weight']
+    assert worst(how, w32) <= c * (1 + 1e-6), f"FP32 itself breaks the constraint: {worst(how, w32)}"
+    # the constraint may have been written in 16 bits and rounded up by one bfloat16 ulp on its way to the master
+    assert worst(how, w16) <= c * (1 + 2**-8), f"{how} {c}: the FP32 model after fit has {worst(how, w16):.4f} (FP32: {worst(how, w32):.4f})"
+    assert_like_fp32(ref, mix, cos_min=0.9)

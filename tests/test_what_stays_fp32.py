@@ -1,0 +1,157 @@
+"""What stays FP32, what is left behind after a fit, and the CPU speed warning match what the docs say (issue 12, item 5).
+
+The README says "Normalization layers stay FP32": LayerNorm and GroupNorm included, by default. After a fit nothing of
+16 bits is left anywhere in the module tree, plain tensor attributes included. The warning that a 16-bit type is slow on
+this CPU follows what the CPU supports, for whichever type torch emulates."""
+import warnings
+import pytest, torch
+from torch import nn, Tensor
+from fastai.basics import Callback
+import mpcallbacks.all # noqa: F401 (`Learner.to_mixed`)
+import mpcallbacks.cast
+from mpcallbacks.test_utils import synth_learner
+from like_fp32 import fit_once, assert_like_fp32
+from test_applications import make_awd_lm, make_awd_classifier
+
+# ---- LayerNorm and GroupNorm stay FP32 during a fit, by default, as BatchNorm does
+
+class NormNet(nn.Module):
+    "Conv -> GroupNorm, then Linear -> LayerNorm -> Linear, on synth_dls' 1x8x8 images"
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gn = nn.Conv2d(1, 8, 3, padding=1), nn.GroupNorm(2, 8)
+        self.lin, self.ln, self.head = nn.Linear(8*8*8, 32), nn.LayerNorm(32), nn.Linear(32, 2)
+    def forward(self, x):
+        h = torch.relu(self.gn(self.conv(x))).flatten(1)
+        return self.head(torch.relu(self.ln(self.lin(h))))
+
+class NormDtypes(Callback):
+    "The dtypes of the norm layers' parameters, and of the cast layers', as the model holds them during each batch"
+    order = 50
+    def __init__(self): self.norms, self.others = set(), set()
+    def before_batch(self):
+        for m in self.learn.model.modules():
+            (self.norms if isinstance(m, (nn.LayerNorm, nn.GroupNorm)) else self.others).update(
+                p.dtype for p in m.parameters(recurse=False))
+
+def test_layer_norm_and_group_norm_stay_fp32_by_default():
+    def make():
+        learn = synth_learner()
+        learn.model = NormNet()
+        return learn
+    seen = NormDtypes()
+    ref = fit_once(make, None, 2, 1e-2)
+    mix = fit_once(make, dict(dtype=torch.bfloat16), 2, 1e-2, cbs=[seen])
+    assert seen.others == {torch.bfloat16}, f"the conv and linear layers ran as {seen.others}"
+    assert seen.norms == {torch.float32}, f"LayerNorm/GroupNorm parameters during the fit: {seen.norms} (the docs say FP32)"
+    assert_like_fp32(ref, mix, cos_min=0.9)
+
+# ---- nothing 16-bit left behind after a fit, plain attributes included (AWD-LSTM's WeightDropout keeps `weight_hh_l0`)
+
+def tensors_16bit(model) -> list:
+    "Every 16-bit tensor the module tree holds: parameters, buffers, and tensors kept as plain attributes or in lists"
+    found = []
+    def visit(name, v):
+        if isinstance(v, Tensor):
+            if v.dtype in (torch.float16, torch.bfloat16): found.append(f'{name} {v.dtype}')
+        elif isinstance(v, dict): [visit(f'{name}.{k}', o) for k, o in v.items()]
+        elif isinstance(v, (list, tuple)): [visit(f'{name}[{i}]', o) for i, o in enumerate(v)]
+    for mname, m in model.named_modules():
+        for k, v in vars(m).items():
+            if k in ('_modules',): continue
+            visit(f'{mname}.{k}' if mname else k, v)
+    return found
+
+def make_plain_lstm():
+    from test_tensors_made_in_forward import make_learner, LSTMFromZeroState
+    return make_learner(LSTMFromZeroState)()
+
+LEFTOVER_CASES = [make_awd_lm, make_awd_classifier, make_plain_lstm]
+LEFTOVER_IDS = ['awd_lstm_lm', 'awd_lstm_classifier', 'plain_nn_lstm']
+
+@pytest.mark.parametrize('make', LEFTOVER_CASES, ids=LEFTOVER_IDS)
+def test_after_fit_no_16bit_tensor_is_left_anywhere_in_the_module_tree(make):
+    "Parameters, buffers, and plain attributes: WeightDropout's `weight_hh_l0`, an RNN's `_flat_weights`, AWD-LSTM's `hidden`"
+    run = fit_once(make, dict(dtype=torch.bfloat16), 1, 1e-2)
+    ref = fit_once(make, None, 1, 1e-2)
+    assert not tensors_16bit(ref.learn.model), "the walk itself finds 16-bit tensors after an FP32 fit"
+    model = run.learn.model
+    if make is not make_plain_lstm:
+        assert any(hasattr(m, 'module') and 'weight_hh_l0' in vars(m.module) for m in model.modules()), \
+            "no WeightDropout attribute found: the test does not look where the stale weight lives"
+    left = tensors_16bit(model)
+    assert not left, f"16-bit tensors left in the model after fit: {left}"
+
+@pytest.mark.parametrize('make', LEFTOVER_CASES, ids=LEFTOVER_IDS)
+def test_after_fit_the_fp32_model_runs_a_plain_forward_as_a_fresh_copy_does(make):
+    """No reset, no callback: `learn.model(x)` in eval mode, as a user calls it after fit, gives what a freshly built model
+    loaded with the same state dict gives (1e-6): no stale 16-bit state (an RNN's hidden state) changes or breaks it"""
+    run = fit_once(make, dict(dtype=torch.bfloat16), 1, 1e-2)
+    x = run.learn.dls.valid.one_batch()[0]
+    model = run.learn.model.eval()
+    fresh = make().model.eval()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad(): want = fresh(x)
+    with torch.no_grad(): got = model(x)
+    got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+# ---- the speed warning follows what the CPU supports
+#
+# torch.backends.cpu.get_cpu_capability() is one of "DEFAULT", "VSX", "Z VECTOR", "NO AVX", "AVX2", "AVX512",
+# "SVE128"/"SVE256"/"SVE512" (torch/backends/cpu/__init__.py): the vector ISA torch's kernels were dispatched for, which
+# says nothing of bfloat16 or float16 arithmetic. torch.cpu has the finer checks: _is_avx512_bf16_supported(),
+# _is_amx_tile_supported() (AMX-BF16 comes with the tiles), _is_amx_fp16_supported(). The rule encoded here, for x86:
+#   bfloat16 is native  iff capability == "AVX512" and (AVX512-BF16 or AMX tiles)
+#   float16  is native  iff capability == "AVX512" and AMX-FP16
+# (a forced ATEN_CPU_CAPABILITY=avx2 dispatches AVX2 kernels on any CPU: both types are emulated then). torch exposes no
+# AVX512-FP16 check, so AVX512-FP16 alone (Sapphire Rapids without AMX-FP16) counts as emulated float16, as measured on
+# this machine. A warning names the emulated type; it never calls an emulated type "the faster choice".
+
+CPUS = { # capability, avx512_bf16, amx_tile, amx_fp16 -> (bfloat16 warns, float16 warns)
+    'AVX2 (AMD EPYC Zen 2/3)': (('AVX2', False, False, False), (True, True)),
+    'DEFAULT': (('DEFAULT', False, False, False), (True, True)),
+    'AVX512 without BF16 (Skylake-SP)': (('AVX512', False, False, False), (True, True)),
+    'AVX512-BF16 (Cooper Lake, Zen 4)': (('AVX512', True, False, False), (False, True)),
+    'AMX-BF16 (Sapphire Rapids)': (('AVX512', True, True, False), (False, True)),
+    'AMX-FP16 (Granite Rapids)': (('AVX512', True, True, True), (False, False)),
+    'AVX2 dispatch on an AMX CPU': (('AVX2', True, True, True), (True, True)),
+}
+
+def fake_cpu(monkeypatch, capability, bf16, amx, amx_fp16):
+    monkeypatch.setattr(torch.backends.cpu, 'get_cpu_capability', lambda: capability)
+    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: bf16)
+    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: amx)
+    monkeypatch.setattr(torch.cpu, '_is_amx_fp16_supported', lambda: amx_fp16)
+    monkeypatch.setattr(mpcallbacks.cast, '_warned', set(), raising=False) # the warning is once per process: start afresh
+
+def speed_warnings(dtype) -> list:
+    learn = synth_learner().to_mixed(dtype)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        learn.fit(1, 1e-3)
+    return [str(w.message) for w in ws if 'emulated' in str(w.message) or 'faster' in str(w.message)]
+
+@pytest.mark.parametrize('cpu', list(CPUS))
+def test_cpu_speed_warning_follows_the_cpu_capability(monkeypatch, cpu):
+    (capability, bf16, amx, amx_fp16), expected = CPUS[cpu]
+    fake_cpu(monkeypatch, capability, bf16, amx, amx_fp16)
+    for dtype, warns in zip((torch.bfloat16, torch.float16), expected):
+        got = speed_warnings(dtype)
+        assert bool(got) == warns, f"{cpu}: {dtype} {'should' if warns else 'should not'} warn; got {got}"
+        name = str(dtype).split('.')[1]
+        assert all(name in m for m in got), f"the warning does not name {name}: {got}"
+        other, other_emulated = (('float16', expected[1]) if dtype == torch.bfloat16 else ('bfloat16', expected[0]))
+        if other_emulated:
+            assert not any(f'to_mixed(torch.{other})' in m for m in got), f"{cpu}: recommends the emulated {other}: {got}"
+
+def test_this_machine_warns_by_the_same_rule():
+    "Unpatched: what torch reports here decides, by the rule above"
+    cap = torch.backends.cpu.get_cpu_capability()
+    bf16_native = cap == 'AVX512' and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    fp16_native = cap == 'AVX512' and torch.cpu._is_amx_fp16_supported()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mpcallbacks.cast, '_warned', set(), raising=False)
+        assert bool(speed_warnings(torch.bfloat16)) == (not bf16_native), f"capability {cap}"
+        assert bool(speed_warnings(torch.float16)) == (not fp16_native), f"capability {cap}"
