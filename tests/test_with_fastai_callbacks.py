@@ -8,7 +8,8 @@ from fastai.basics import (Learner, Callback, DataLoaders, CrossEntropyLossFlat,
 from fastai.callback.progress import ProgressCallback, ShowGraphCallback
 from fastai.callback.training import GradientClip, GradientAccumulation, BnFreeze
 from fastai.callback.mixup import MixUp, CutMix
-from fastai.callback.tracker import SaveModelCallback, EarlyStoppingCallback
+from fastai.callback.tracker import SaveModelCallback, EarlyStoppingCallback, ReduceLROnPlateau
+from fastai.callback.progress import CSVLogger
 import fastai.callback.schedule # fit_one_cycle, fine_tune, lr_find
 from mpcallbacks.callback import MasterMixedPrecision
 import mpcallbacks.cast
@@ -194,10 +195,13 @@ def test_mixup_cutmix(mix):
     assert abs(mixed.recorder.values[-1][1] - fp32.recorder.values[-1][1]) < 0.1
     assert {p.dtype for p in mixed.model.parameters()} == {torch.float32}
 
-def test_save_model_early_stopping_progress_showgraph(tmp_path):
+def test_save_model_early_stopping_progress_showgraph_reduce_lr_csv_logger(tmp_path):
     learn = synth_learner(path=tmp_path).to_mixed()
     learn.add_cbs([ProgressCallback(), ShowGraphCallback()])
-    learn.fit(3, 1e-2, cbs=[SaveModelCallback(fname='best'), EarlyStoppingCallback(patience=1)])
+    reduce = ReduceLROnPlateau(patience=0, factor=10., min_delta=10.) # every epoch "plateaus": the lr drops each time
+    learn.fit(3, 1e-2, cbs=[SaveModelCallback(fname='best'), EarlyStoppingCallback(patience=1), reduce, CSVLogger(fname='log.csv')])
+    assert learn.opt.hypers[0]['lr'] < 1e-2 # ReduceLROnPlateau lowered the lr of the optimizer holding the masters
+    assert len((tmp_path/'log.csv').read_text().splitlines()) == 1 + len(learn.recorder.values) # header + one row per epoch
     best = torch.load(tmp_path/'models'/'best.pth', weights_only=True)
     assert {v.dtype for v in best.values() if v.is_floating_point()} == {torch.float32}
     for (k, v), p in zip([(k, v) for k, v in best.items() if 'running' not in k and 'num_batches' not in k], learn.model.parameters()):
