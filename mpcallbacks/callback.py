@@ -292,6 +292,6 @@ def plot_loss_scale(self:MasterMixedPrecision,
 from mpcallbacks import learner as _learner # noqa: F401 (`Learner.to_mixed` and the guards)
 from mpcallbacks.scaler import make_scaler # noqa: F401
 
-def __getattr__(name): # `OptimizerWithScaler` lived here before 0.2; `learner` imports this module, so it is looked up late
+def __getattr__(name): # `OptimizerWithScaler` lived here in earlier versions; `learner` imports this module, so it is looked up late
     if name == 'OptimizerWithScaler': return _learner.OptimizerWithScaler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

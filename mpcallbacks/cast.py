@@ -26,7 +26,7 @@ always_fp32 = (_NormBase, nn.LayerNorm, nn.GroupNorm) # every normalization laye
 norms_taking_16bit_input = (_NormBase, nn.LayerNorm, nn.GroupNorm) # FP32 layers whose kernels take 16-bit input and return it
 
 # %% ../nbs/00_cast.ipynb #54cebf4f
-norm_types,mixed_input_types = always_fp32,norms_taking_16bit_input # the names before 0.2: importable, not star-exported
+norm_types,mixed_input_types = always_fp32,norms_taking_16bit_input # the earlier names: importable, not star-exported
 
 # %% ../nbs/00_cast.ipynb #2168d506
 def keeps_fp32(

@@ -117,7 +117,7 @@ def from_loss_scale(cls:LossScaler,
 
 # %% ../nbs/01_scaler.ipynb #1224f219
 def make_scaler(dtype:torch.dtype, loss_scale='auto', **kwargs) -> LossScaler:
-    "The name of `LossScaler.from_loss_scale` before 0.2, kept for code that imports it"
+    "The earlier name of `LossScaler.from_loss_scale`, kept for code that imports it"
     return LossScaler.from_loss_scale(dtype, loss_scale, **kwargs)
 
 # %% ../nbs/01_scaler.ipynb #264f68a8
