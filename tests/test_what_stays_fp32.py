@@ -121,9 +121,9 @@ CPUS = { # capability, avx512_bf16, amx_tile, amx_fp16 -> (bfloat16 warns, float
 
 def fake_cpu(monkeypatch, capability, bf16, amx, amx_fp16):
     monkeypatch.setattr(torch.backends.cpu, 'get_cpu_capability', lambda: capability)
-    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', lambda: bf16)
-    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: amx)
-    monkeypatch.setattr(torch.cpu, '_is_amx_fp16_supported', lambda: amx_fp16)
+    monkeypatch.setattr(torch.cpu, '_is_avx512_bf16_supported', raising=False, value=lambda: bf16)
+    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', raising=False, value=lambda: amx)
+    monkeypatch.setattr(torch.cpu, '_is_amx_fp16_supported', raising=False, value=lambda: amx_fp16)
     monkeypatch.setattr(mpcallbacks.cast, '_warned', set(), raising=False) # the warning is once per process: start afresh
 
 def speed_warnings(dtype) -> list:
@@ -149,8 +149,9 @@ def test_cpu_speed_warning_follows_the_cpu_capability(monkeypatch, cpu):
 def test_this_machine_warns_by_the_same_rule():
     "Unpatched: what torch reports here decides, by the rule above"
     cap = torch.backends.cpu.get_cpu_capability()
-    bf16_native = cap == 'AVX512' and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    fp16_native = cap == 'AVX512' and torch.cpu._is_amx_fp16_supported()
+    has = lambda f: bool(getattr(torch.cpu, f'_is_{f}_supported', lambda: False)()) # torch 2.4 has none of these: emulated
+    bf16_native = cap == 'AVX512' and (has('avx512_bf16') or has('amx_tile'))
+    fp16_native = cap == 'AVX512' and has('amx_fp16')
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mpcallbacks.cast, '_warned', set(), raising=False)
         assert bool(speed_warnings(torch.bfloat16)) == (not bf16_native), f"capability {cap}"
