@@ -2,5 +2,6 @@ from .cast import *
 from .scaler import *
 from .master import *
 from .distributed import *
+from .mixed_fit import *
 from .callback import *
 from .learner import *
