@@ -5,3 +5,4 @@ from .distributed import *
 from .mixed_fit import *
 from .callback import *
 from .learner import *
+from .split_masters import *

@@ -11,7 +11,7 @@ from fastai.basics import *
 from .cast import always_fp32, as_16bit_dtype, warn_if_slow
 from .scaler import LossScaler, NonFiniteGradients
 from .master import GradPhase
-from .mixed_fit import MixedFit
+from .mixed_fit import MixedFit, mixed_fits
 
 # %% auto #0
 __all__ = ['MasterMixedPrecision']
@@ -27,6 +27,7 @@ class MasterMixedPrecision(Callback):
         keep_fp32:tuple=(), # More module types or name patterns to keep in FP32 (normalization layers always are)
         check_drift:bool=False, # After each step, check that the 16-bit weights equal the masters cast to 16 bits
         mixed_inference:bool=False, # `get_preds`/`validate`/`predict` outside a fit in 16 bits too; False: in FP32, as the exported learner
+        masters:str='fp32', # 'fp32', or '16+16' (bfloat16 only): each master kept as its bfloat16 weight and low half, 4 bytes/param less
         **kwargs
     ):
         self.dtype = as_16bit_dtype(dtype)
@@ -35,7 +36,15 @@ class MasterMixedPrecision(Callback):
         if bad: raise TypeError(f"keep_fp32 takes module types and name patterns, got {bad}")
         for k,v in (('check_drift', check_drift), ('mixed_inference', mixed_inference)):
             if not isinstance(v, bool): raise TypeError(f"{k} must be True or False, got {v!r}")
+        if masters not in mixed_fits: raise ValueError(f"masters must be one of {list(mixed_fits)}, got {masters!r}")
+        if masters == '16+16' and self.dtype != torch.bfloat16:
+            raise ValueError(f"masters='16+16' keeps each FP32 master as its bfloat16 weight plus its low 16 bits: it needs "
+                             f"`to_mixed(torch.bfloat16, masters='16+16')`, got {self.dtype}. Use masters='fp32' with float16.")
+        if masters == '16+16' and check_drift:
+            raise ValueError("check_drift=True with masters='16+16': the bfloat16 weights are the masters' top halves, so "
+                             "they cannot drift from them. Drop check_drift, or use masters='fp32'.")
         self.keep,self.check_drift,self.mixed_inference = always_fp32 + tuple(tuplify(keep_fp32)),check_drift,mixed_inference
+        self.masters = masters
         self.fit_state:MixedFit|None = None # Built at `before_fit`, dropped when the FP32 model is back
         self.stopped_by:Exception|None = None # What cancelled the last fit, raised by `Learner.fit` once every `after_fit` ran
 
@@ -65,7 +74,7 @@ def before_fit(self:MasterMixedPrecision):
         self.fit_state.nested += 1
         return
     self.stopped_by = None
-    self.fit_state = MixedFit(self.learn, self.dtype, self.keep)
+    self.fit_state = mixed_fits[self.masters](self.learn, self.dtype, self.keep)
     warn_if_slow(self.dtype, self.fit_state.cast.device)
 
 # %% ../nbs/03_callback.ipynb #81fcdc8d
@@ -195,6 +204,7 @@ def plot_loss_scale(self:MasterMixedPrecision,
 # %% ../nbs/03_callback.ipynb #539d72dd
 from mpcallbacks import learner as _learner # noqa: F401 (`Learner.to_mixed` and the guards)
 from mpcallbacks.scaler import make_scaler # noqa: F401
+from mpcallbacks import split_masters as _split_masters # noqa: F401 (registers masters='16+16' in `mixed_fits`)
 
 def __getattr__(name): # `OptimizerWithScaler` lived here in earlier versions; `learner` imports this module, so it is looked up late
     if name == 'OptimizerWithScaler': return _learner.OptimizerWithScaler

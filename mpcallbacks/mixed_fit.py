@@ -14,18 +14,19 @@ from .master import MasterParams
 from .distributed import RankAgreement, ddp_wrapped
 
 # %% auto #0
-__all__ = ['MixedFit']
+__all__ = ['mixed_fits', 'MixedFit']
 
 # %% ../nbs/03a_mixed_fit.ipynb #14c87932
 class MixedFit:
     "What lives only during one fit: the 16-bit model, its FP32 masters and their gradient phase, the ranks' agreement"
+    master_type = MasterParams # What holds the masters and their gradients (`SplitMasters` for 16+16)
     def __init__(self,
         learn:Learner, # The learner whose model is cast
         dtype:torch.dtype, # The 16-bit type
         keep:tuple, # Types and name patterns of modules that stay in FP32
     ):
         self.learn,self.cast = learn,cast_model(learn.model, dtype, keep)
-        self.masters,self.ranks = MasterParams(self.cast.pairs),RankAgreement()
+        self.masters,self.ranks = self.master_type(self.cast.pairs),RankAgreement()
         self.nested = 0 # `before_fit`s dispatched inside this fit (`get_preds` from a callback): their `after_fit` is not the end
         originals = {id(c.copy):c.original for c in self.cast.pairs}
         self.fp32_model_params = [originals.get(id(p), p) for p in learn.model.parameters()]
@@ -111,3 +112,6 @@ def close(self:MixedFit) -> None:
     self.masters.set_fp32_grads(False)
     self._hide_fp32_parameters()
     self.cast.restore()
+
+# %% ../nbs/03a_mixed_fit.ipynb #1d5eb1e0
+mixed_fits = {'fp32': MixedFit} # `masters` -> the per-fit class that builds them

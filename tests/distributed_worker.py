@@ -13,11 +13,11 @@ warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated')
 import torch, torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from fastai.basics import Learner, Callback, DataLoaders, CrossEntropyLossFlat, SGD, rank_distrib, noop
+from fastai.basics import Learner, Callback, DataLoaders, CrossEntropyLossFlat, SGD, Adam, rank_distrib, noop
 from fastai.data.core import Datasets
 from fastai.data.transforms import ItemGetter
 from fastai.callback.progress import ProgressCallback
-from fastai.callback.training import GradientAccumulation
+from fastai.callback.training import GradientAccumulation, GradientClip
 from mpcallbacks.all import *
 from mpcallbacks.scaler import LossScaler
 from mpcallbacks.test_utils import synth_model, opt_params, InjectNonFinite
@@ -97,6 +97,12 @@ def digest(ts):
     for t in ts: h.update(t.detach().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
+def masters(learn) -> list:
+    "The optimizer's parameters as FP32 values (16+16 masters rebuilt from their parts)"
+    ms = learn.master_mixed_precision.fit_state.masters
+    if not isinstance(ms, SplitMasters): return opt_params(learn)
+    return [ms.rebuild(ms.index[id(p)]) if id(p) in ms.index else p for p in opt_params(learn)]
+
 def inner(model): return model.module if isinstance(model, DistributedDataParallel) else model
 
 class Trace(Callback):
@@ -110,7 +116,7 @@ class Trace(Callback):
         if not self.training: return
         delta = {k: counts[k] - self.seen[k] for k in ('all_reduce', 'unscale_', 'buckets', 'reduced')}
         mmp = self.learn.master_mixed_precision
-        self.batches.append(dict(masters=digest(opt_params(self.learn)), weights=digest(inner(self.model).parameters()),
+        self.batches.append(dict(masters=digest(masters(self.learn)), weights=digest(inner(self.model).parameters()),
             steps=len(mmp.scaler.history), scale=mmp.loss_scale, loss_finite=self.loss_finite, **delta))
     def after_fit(self):
         self.history = list(self.learn.master_mixed_precision.scaler.history)
@@ -216,8 +222,21 @@ def batch_equivalence(rank, world, out):
     learn.fit(2, 0.1)
     return dict(trace.result(), masters=[p.detach().clone() for p in opt_params(learn)])
 
+def split_masters(rank, world, out):
+    """bfloat16 with the default masters, then with masters='16+16': each rank's own init, Adam, clipping, accumulation
+    with `no_sync` on some batches; rank 1's loss is inf in batch 4"""
+    res = {}
+    for kind in ('fp32', '16+16'):
+        trace = Trace()
+        learn = make_learner(mlp(seed=rank), rank, world, bs=8, dtype=torch.bfloat16, loss_scale='dynamic', init_scale=2.**8,
+                             growth_interval=2, keep_fp32=nn.LayerNorm, masters=kind, opt_func=Adam,
+                             cbs=[trace, GradientAccumulation(n_acc=16), GradientClip(0.5), NoSyncAt(at=[0, 5]), InfLoss(at=[4])])
+        learn.fit(1, 1e-2)
+        res[kind] = trace.result()
+    return res
+
 scenarios = {f.__name__: f for f in (sync_every_step, no_sync_step, grad_accumulation, grad_accumulation_no_sync,
-                                     different_init, checkpoint, batch_equivalence)}
+                                     different_init, checkpoint, batch_equivalence, split_masters)}
 
 def main(out, names):
     torch.set_num_threads(1)

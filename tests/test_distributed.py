@@ -140,3 +140,15 @@ def test_ranks_built_from_different_seeds_hold_identical_masters(ranks):
 def test_no_sync_accumulation_keeps_ranks_identical(ranks):
     r0, r1 = ranks('grad_accumulation_no_sync')
     assert per_batch(r0, 'masters') == per_batch(r1, 'masters')
+
+# ---- 16+16 masters
+
+def test_split_masters_are_the_default_modes_on_every_rank(ranks):
+    r0, r1 = ranks('split_masters') # each rank's own init, Adam, clip, accumulation with some `no_sync`, an inf on rank 1
+    for r in (r0, r1):
+        assert len(r['16+16']['batches']) == len(r['fp32']['batches']) == 8
+        for key in ('masters', 'weights'): assert per_batch(r['16+16'], key) == per_batch(r['fp32'], key)
+        assert r['16+16']['history'] == r['fp32']['history']
+    for key in ('masters', 'weights'): assert per_batch(r0['16+16'], key) == per_batch(r1['16+16'], key)
+    assert [k for _, k in r0['16+16']['history']] == [F, F, T, F] # the inf in batch 4 skipped step 3 on both ranks
+    assert len(set(per_batch(r0['16+16'], 'masters'))) == 4 # three good steps moved the masters, the skipped one did not
