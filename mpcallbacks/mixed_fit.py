@@ -98,7 +98,7 @@ def fp32(self:MixedFit): # A context manager
 @patch
 def weights_note(self:MixedFit) -> str: # A sentence for an error message
     "Whether the FP32 weights are the last good ones, or themselves non-finite (one host sync, at the end of a fit)"
-    if all(torch.isfinite(p).all() for p in self.fp32_model_params):
+    if torch.stack([torch.isfinite(p).all().to(self.cast.device) for p in self.fp32_model_params]).all().item():
         return ("The model holds the last good weights (BatchNorm running statistics, updated in the forward pass, may "
                 "have taken in the non-finite batches).")
     return ("Some weights are themselves inf or NaN, which no step of mixed precision wrote (they were loaded, or written "
