@@ -126,11 +126,6 @@ def _kept_tops(model, keep) -> list:
     return [m for n,m in model.named_modules() if keeps_fp32(n, m, keep)
             and not any(keeps_fp32(a, am, keep) for a,am in _ancestors(model, n)[:-1])]
 
-def _named_slots(model, top) -> list:
-    "`(qualified name, parameter)` of every parameter slot under the module `top` of `model`, shared ones included"
-    prefix = next(n for n,m in model.named_modules() if m is top)
-    return [(_qual(prefix, name, n), p) for name,m in top.named_modules() for n,p in m._parameters.items() if p is not None]
-
 def _cast_plan(model, keep) -> tuple:
     "The kept top modules, and `(qualified name, module, slot name, parameter)` of each parameter slot to cast"
     kept_tops = _kept_tops(model, keep)
@@ -140,12 +135,9 @@ def _cast_plan(model, keep) -> tuple:
              for n,p in m._parameters.items() if p is not None and p.is_floating_point() and id(p) not in kept]
     return kept_tops,slots
 
-# %% ../nbs/00_cast.ipynb #36989f53
-def check_castable(
-    model:nn.Module, # The model to train in mixed precision
-    keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
-) -> None:
-    "Raise, naming the parameter, if `model` cannot be trained as 16-bit copies of FP32 masters"
+# %% ../nbs/00_cast.ipynb #1c3953ab
+def _checked_plan(model, keep) -> tuple:
+    "`_cast_plan(model, keep)`, once `model` passed every check of `check_castable`"
     # (the mixin, not `UninitializedParameter`: torch 2.4's Parameter metaclass calls any Parameter-wrapped subclass one)
     lazy = [n for n,p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedTensorMixin)]
     if lazy: raise ValueError(f"Parameter `{lazy[0]}` is not initialized yet (a lazy module, {len(lazy)} such in all): its "
@@ -162,13 +154,21 @@ def check_castable(
                               "`learn.model.float()` first.")
     kept_tops,plan = _cast_plan(model, keep)
     if not plan: raise ValueError("No parameter to cast: every floating-point layer is kept in FP32 (see `keep_fp32`).")
-    kept = {id(p):n for m in kept_tops for n,p in _named_slots(model, m)}
     kept_mods = {id(m_) for m in kept_tops for m_ in m.modules()}
-    shared = [(_qual(name, n), kept[id(p)]) for name,m in model.named_modules() if id(m) not in kept_mods
-              for n,p in m._parameters.items() if p is not None and id(p) in kept]
+    slots = [(name, m, n, p) for name,m in model.named_modules() for n,p in m._parameters.items() if p is not None]
+    kept = {id(p):_qual(name, n) for name,m,n,p in slots if id(m) in kept_mods}
+    shared = [(_qual(name, n), kept[id(p)]) for name,m,n,p in slots if id(m) not in kept_mods and id(p) in kept]
     if shared: raise ValueError(f"Parameter `{shared[0][0]}` is also `{shared[0][1]}`, in a layer kept in FP32: one tensor "
                                 "cannot be 16-bit in one layer and FP32 in the other. Untie them, or keep both layers in "
                                 "FP32 with `keep_fp32`.")
+    return kept_tops,plan
+
+def check_castable(
+    model:nn.Module, # The model to train in mixed precision
+    keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
+) -> None:
+    "Raise, naming the parameter, if `model` cannot be trained as 16-bit copies of FP32 masters"
+    _checked_plan(model, keep)
 
 # %% ../nbs/00_cast.ipynb #c2d3e319
 def unmatched_names(
@@ -338,8 +338,7 @@ def cast_model(
     keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
 ) -> ModelCast: # What was swapped, to `uncast`, `recast` or `restore` it
     "Swap the floating-point parameters of `model` (but the `keep` modules') for `dtype` copies"
-    check_castable(model, keep)
-    kept_tops,plan = _cast_plan(model, keep)
+    kept_tops,plan = _checked_plan(model, keep) # the checks of `check_castable`, and the plan they looked at
     res,copies = ModelCast(kept=kept_tops, model=model, dtype=dtype, cast=False),{}
     kept_mods = {id(m_) for m in kept_tops for m_ in m.modules()}
     with torch.no_grad():
