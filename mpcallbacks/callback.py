@@ -25,7 +25,7 @@ class MasterMixedPrecision(Callback):
         dtype:torch.dtype|str=torch.float16, # `torch.float16` or `torch.bfloat16`
         loss_scale:str|float|None='auto', # 'dynamic', a positive number (static) or None; 'auto': dynamic for float16, None for bfloat16
         keep_fp32:tuple=(), # More module types or name patterns to keep in FP32 (normalization layers always are)
-        check_drift:bool=False, # After each step, check that the 16-bit weights equal the masters cast to 16 bits
+        check_drift:bool=False, # After each backward, check that the 16-bit weights it used equal the masters cast to 16 bits
         mixed_inference:bool=False, # `get_preds`/`validate`/`predict` outside a fit in 16 bits too; False: in FP32, as the exported learner
         masters:str='fp32', # 'fp32', or '16+16' (bfloat16 only): each master kept as its bfloat16 weight and low half, 4 bytes/param less
         **kwargs
@@ -77,19 +77,29 @@ def before_fit(self:MasterMixedPrecision):
     self.fit_state = mixed_fits[self.masters](self.learn, self.dtype, self.keep)
     warn_if_slow(self.dtype, self.fit_state.cast.device)
 
-# %% ../nbs/03_callback.ipynb #81fcdc8d
+# %% ../nbs/03_callback.ipynb #ce4bf63a
+@patch
+def before_epoch(self:MasterMixedPrecision):
+    "The model rests: it holds the FP32 masters until the next forward"
+    if self.fit_state is not None: self.fit_state.rest()
+
+# %% ../nbs/03_callback.ipynb #522755fa
 @patch
 def before_train(self:MasterMixedPrecision):
     "Follow `freeze`/`unfreeze` and optimizer changes made between epochs; under DDP, start from rank 0's masters"
-    if self.fit_state is not None: self.fit_state.start_training()
+    if (fit := self.fit_state) is None: return
+    fit.start_training()
+    fit.rest()
 
-# %% ../nbs/03_callback.ipynb #294dae21
+# %% ../nbs/03_callback.ipynb #32e3ea9d
 @patch
 def before_batch(self:MasterMixedPrecision):
-    "Agree on `requires_grad` between the 16-bit copies and the masters, whichever side changed it"
-    if self.fit_state is not None and self.training: self.fit_state.sync_requires_grad()
+    "The model rests; agree on `requires_grad` between the 16-bit copies and the masters, whichever side changed it"
+    if (fit := self.fit_state) is None: return
+    fit.rest()
+    if self.training: fit.sync_requires_grad()
 
-# %% ../nbs/03_callback.ipynb #1a9fe2c8
+# %% ../nbs/03_callback.ipynb #986bdb69
 @patch
 def after_fit(self:MasterMixedPrecision):
     "Put the FP32 model back, equal to the masters (inside a fit: nothing)"
@@ -97,45 +107,46 @@ def after_fit(self:MasterMixedPrecision):
     if fit.nested: fit.nested -= 1
     else: self.end_fit()
 
-# %% ../nbs/03_callback.ipynb #8b7ccf87
+# %% ../nbs/03_callback.ipynb #9276906f
 @patch
 def end_fit(self:MasterMixedPrecision) -> None:
     "Put the FP32 model back, equal to the masters, and drop all the fit held; safe to call twice"
     fit,self.fit_state = self.fit_state,None
     if fit is not None: fit.close()
 
-# %% ../nbs/03_callback.ipynb #855472c6
+# %% ../nbs/03_callback.ipynb #a492a8df
 @patch
 def after_pred(self:MasterMixedPrecision):
     "Hand FP32 predictions to the loss function"
     if self.fit_state is not None: self.learn.pred = to_float(self.pred)
 
-# %% ../nbs/03_callback.ipynb #2df3a23d
+# %% ../nbs/03_callback.ipynb #5b35dbf3
 @patch
 def after_loss(self:MasterMixedPrecision):
     "Keep the loss in FP32, also where the loss function runs 16-bit sub-models itself (a GAN's critic)"
     if self.fit_state is not None: self.learn.loss_grad,self.learn.loss = to_float(self.loss_grad),to_float(self.loss)
 
-# %% ../nbs/03_callback.ipynb #ca49bcfd
+# %% ../nbs/03_callback.ipynb #bee6f91b
 @patch
 def before_backward(self:MasterMixedPrecision):
     "Multiply the loss by the scale"
     if self.fit_state is not None: self.learn.loss_grad = self.scaler.scale_loss(self.loss_grad)
 
-# %% ../nbs/03_callback.ipynb #0cca0fd2
+# %% ../nbs/03_callback.ipynb #6d69bfe0
 @patch
 def after_backward(self:MasterMixedPrecision):
     "Note the backward pass in the gradient lifecycle, and whether DDP all-reduced it"
     if (fit := self.fit_state) is None: return
+    if self.check_drift: self._check_drift()
     fit.masters.backward()
     fit.ranks.after_backward(self.learn.model)
 
-# %% ../nbs/03_callback.ipynb #82f8a0f5
+# %% ../nbs/03_callback.ipynb #47e4c0d8
 @patch
 def before_step(self:MasterMixedPrecision):
-    "Move the gradients into the masters, unscale and check them in one pass, read the verdict: skip the step on inf/NaN"
+    "The model rests; move the gradients into the masters, unscale and check them in one pass: skip the step on inf/NaN"
     if (fit := self.fit_state) is None: return
-    if self.check_drift: self._check_drift()
+    fit.rest()
     found_inf = fit.ranks.agree(fit.masters.unscale_(self.scaler.unscale_), fit.cast.device)
     if found_inf is None or not found_inf.item(): return
     fit.masters.skip()
@@ -145,43 +156,65 @@ def before_step(self:MasterMixedPrecision):
         raise CancelFitException() from e
     raise CancelStepException()
 
-# %% ../nbs/03_callback.ipynb #debddeb2
+# %% ../nbs/03_callback.ipynb #aa96acef
 @patch
 def after_cancel_step(self:MasterMixedPrecision):
     "Drop the gradients of a step another callback cancelled, as fastai's `zero_grad` does"
     if (fit := self.fit_state) is not None and fit.masters.phase is GradPhase.UNSCALED: fit.masters.skip()
 
-# %% ../nbs/03_callback.ipynb #65039d74
+# %% ../nbs/03_callback.ipynb #436d2b6e
 @patch
 def after_step(self:MasterMixedPrecision):
-    "After a step the optimizer took: count it for the scale's growth, copy the stepped masters into the 16-bit weights"
+    "After a step the optimizer took: count it for the scale's growth, drop the gradients"
     if (fit := self.fit_state) is None or fit.masters.phase is not GradPhase.UNSCALED: return # skipped
     self.scaler.update(False)
     fit.masters.stepped()
-    if self.check_drift: self._check_drift()
 
-# %% ../nbs/03_callback.ipynb #ea0f856b
+# %% ../nbs/03_callback.ipynb #41f1e0dd
 @patch
 def after_cancel_batch(self:MasterMixedPrecision):
-    "Keep a postponed batch's gradients, scaled, in FP32 for the next step (gradient accumulation)"
-    if (fit := self.fit_state) is not None: fit.masters.cancel(self.scaler.scale, keep_in_model=fit.ranks.leave_to_ddp())
+    "Keep a postponed batch's gradients, scaled, in FP32 for the next step (gradient accumulation); the model rests"
+    if (fit := self.fit_state) is None: return
+    fit.masters.cancel(self.scaler.scale, keep_in_model=fit.ranks.leave_to_ddp())
+    fit.rest()
 
-# %% ../nbs/03_callback.ipynb #4c266979
+# %% ../nbs/03_callback.ipynb #1dc2a34c
+@patch
+def after_batch(self:MasterMixedPrecision):
+    "The model rests (in validation, only after the last batch)"
+    if (fit := self.fit_state) is None: return
+    if self.training or self.iter >= getattr(self.learn, 'n_iter', 0) - 1: fit.rest()
+
+# %% ../nbs/03_callback.ipynb #792c43e2
+@patch
+def after_validate(self:MasterMixedPrecision):
+    "The model rests (a validation cancelled part way)"
+    if self.fit_state is not None: self.fit_state.rest()
+
+# %% ../nbs/03_callback.ipynb #11ec9895
+@patch
+def after_epoch(self:MasterMixedPrecision):
+    "The model rests (after a forward run by a callback at the end of the epoch)"
+    if self.fit_state is not None: self.fit_state.rest()
+
+# %% ../nbs/03_callback.ipynb #fd77175b
 @patch
 def _check_drift(self:MasterMixedPrecision):
     "Raise if a 16-bit weight differs from its master cast to 16 bits"
     cast = self.fit_state.cast
     n = sum(cast.copies_differ(cast.pairs))
     if n: raise RuntimeError(f"{n} 16-bit weight tensor(s) differ from their FP32 masters cast to {self.dtype}: "
-                             "something wrote to the 16-bit model instead of the masters (the optimizer's parameters).")
+                             "something wrote to the 16-bit model during the forward or backward pass, and the next re-sync "
+                             "from the masters (the optimizer's parameters) would undo it. Write to the weights between "
+                             "batches, where they are the masters.")
 
-# %% ../nbs/03_callback.ipynb #89af48c0
+# %% ../nbs/03_callback.ipynb #df49dcac
 @patch
 def fp32_model(self:MasterMixedPrecision): # A context manager
     "Within this context the model holds its FP32 parameters, even in the middle of a fit"
     return self.fit_state.fp32() if self.fit_state is not None else nullcontext()
 
-# %% ../nbs/03_callback.ipynb #12d12354
+# %% ../nbs/03_callback.ipynb #fa9cbac7
 @patch
 def plot_loss_scale(self:MasterMixedPrecision,
     ax=None, # Matplotlib axes to draw on; a new figure if None
@@ -201,7 +234,7 @@ def plot_loss_scale(self:MasterMixedPrecision,
     ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
     return ax
 
-# %% ../nbs/03_callback.ipynb #539d72dd
+# %% ../nbs/03_callback.ipynb #c9aac966
 from mpcallbacks import learner as _learner # noqa: F401 (`Learner.to_mixed` and the guards)
 from mpcallbacks.scaler import make_scaler # noqa: F401
 from mpcallbacks import split_masters as _split_masters # noqa: F401 (registers masters='16+16' in `mixed_fits`)

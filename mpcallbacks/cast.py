@@ -182,7 +182,7 @@ def unmatched_names(
 # %% ../nbs/00_cast.ipynb #360f84c5
 @dataclass
 class ModelCast:
-    "Record of a model's tensors swapped for 16-bit copies: `uncast`, `recast` or `restore` them"
+    "Record of a model's tensors swapped for 16-bit copies: `rest`, `uncast`, `recast` or `restore` them"
     params:list = field(default_factory=list)  # A `CastSlot` per parameter slot
     hooks:list = field(default_factory=list)   # Handles of the dtype hooks, while cast
     state_hooks:list = field(default_factory=list) # Handles of the state-dict hooks, from the cast to `restore`
@@ -190,7 +190,8 @@ class ModelCast:
     kept:list = field(default_factory=list)    # The outermost modules kept in FP32
     model:nn.Module|None = None
     dtype:torch.dtype = torch.float16
-    cast:bool = True # Whether the model holds the 16-bit copies now
+    cast:bool = True # Whether the model is cast: its dtype hooks in, and the 16-bit copies in it (or `resting`)
+    resting:bool = False # Whether the FP32 originals stand in for the copies until the next forward (`rest`)
 
     @property
     def pairs(self) -> list: # A `CastPair` per swapped parameter, in model order
@@ -235,35 +236,53 @@ def sync_copies(self:ModelCast) -> None:
     if not pairs: return
     with torch.no_grad(): torch._foreach_copy_([s.copy for s in pairs], [s.original for s in pairs])
 
-# %% ../nbs/00_cast.ipynb #52b80068
+# %% ../nbs/00_cast.ipynb #007ee08a
+@patch
+def rest(self:ModelCast) -> None:
+    "Put the FP32 originals in the model until its next forward, hooks armed: writes to its weights meanwhile reach them"
+    if not self.cast or self.resting: return
+    self._put('original')
+    self.resting = True
+
+@patch
+def wake(self:ModelCast) -> None:
+    "Put the copies in again, re-synced from the originals (values and `requires_grad`): what the next forward calls"
+    if not (self.cast and self.resting): return
+    for c in self.pairs:
+        if c.copy.requires_grad != c.original.requires_grad: c.copy.requires_grad_(c.original.requires_grad)
+    self.sync_copies()
+    self._put('copy')
+    self.resting = False
+
+# %% ../nbs/00_cast.ipynb #51a19abc
 @patch
 def uncast(self:ModelCast) -> None:
-    "Put the FP32 originals in the model"
+    "Put the FP32 originals in the model, without the dtype hooks (`recast` returns to the state before, resting or not)"
     self._put('original') # even when not `cast`: a recast interrupted after its swap has put the copies in
     for h in self.hooks: h.remove()
     self.hooks,self.cast = [],False
 
-# %% ../nbs/00_cast.ipynb #47d68ab7
+# %% ../nbs/00_cast.ipynb #8a7f632a
 @patch
 def recast(self:ModelCast) -> None:
-    "Copy the originals' values into the 16-bit copies and put those in the model again"
+    "Arm the dtype hooks again, with the 16-bit copies re-synced from the originals and in the model (unless `resting`)"
     if self.cast: return
-    self.sync_copies()
+    if not self.resting: self.sync_copies()
     self._swap_in()
 
 @patch
 def _swap_in(self:ModelCast) -> None:
-    "Put the copies and the dtype hooks in, all or none"
+    "Put the dtype hooks in, and the copies unless `resting`, all or none"
     try:
-        _hook_dtypes(list({id(s.module):s.module for s in self.params}.values()), self.dtype, self.kept, self.hooks)
-        self._put('copy')
+        _hook_dtypes(self, list({id(s.module):s.module for s in self.params}.values()))
+        if not self.resting: self._put('copy')
     except BaseException:
         for h in self.hooks: h.remove()
         self.hooks = []
         raise
     self.cast = True
 
-# %% ../nbs/00_cast.ipynb #ecaef0ca
+# %% ../nbs/00_cast.ipynb #babe4a01
 @patch
 def restore(self:ModelCast) -> None:
     "Put the FP32 originals back for good, without the hooks, and no 16-bit tensor the fit left behind"
@@ -273,9 +292,9 @@ def restore(self:ModelCast) -> None:
             for k,v in list(vars(m).items()):
                 if (id(m), k) not in self.attrs16 and k != '_flat_weights' and _has_16bit(v): setattr(m, k, _to(v, torch.float32))
     for h in self.state_hooks: h.remove()
-    self.params,self.kept,self.model,self.state_hooks = [],[],None,[]
+    self.params,self.kept,self.model,self.state_hooks,self.resting = [],[],None,[],False
 
-# %% ../nbs/00_cast.ipynb #397af08b
+# %% ../nbs/00_cast.ipynb #2d612a99
 def _to(x, dtype):
     "`x` with its floating-point tensors cast to `dtype`, in containers kept as they are (namedtuple, `PackedSequence`, subclasses)"
     if isinstance(x, Tensor): return x.to(dtype) if x.is_floating_point() else x
@@ -288,19 +307,26 @@ def _to(x, dtype):
         return res
     return x
 
-def _hook_dtypes(cast_modules, dtype, kept_tops, into:list) -> list:
-    def to_16(m, args, kwargs): return _to(args, dtype),_to(kwargs, dtype)
+def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
+    "Into `mc.hooks`: the hooks that wake the copies, cast the inputs of `cast_modules` and keep `mc.kept` in FP32"
+    model,dtype,into = mc.model,mc.dtype,mc.hooks
+    def woken(m, args):
+        if mc.resting: mc.wake()
+    def to_16(m, args, kwargs):
+        if mc.resting: mc.wake() # also for a sub-model called directly (a GAN's critic, from the loss)
+        return _to(args, dtype),_to(kwargs, dtype)
     def in_32(m, args, kwargs): return _to(args, torch.float32),_to(kwargs, torch.float32)
     def out_16(m, args, out): return _to(out, dtype)
-    # Each handle goes into `into` as soon as it exists, so an interrupt part way leaves none unaccounted for.
-    for m in cast_modules: into.append(m.register_forward_pre_hook(to_16, with_kwargs=True))
-    for m in kept_tops:
+    # Each handle goes into `into` as soon as it exists, so an interrupt part way leaves none unaccounted for. The
+    # copies go in before any hook of the module's own runs (`weight_norm`'s computes the weight from them).
+    if model is not None and not any(m is model for m in cast_modules): into.append(model.register_forward_pre_hook(woken, prepend=True))
+    for m in cast_modules: into.append(m.register_forward_pre_hook(to_16, with_kwargs=True, prepend=True))
+    for m in mc.kept:
         if isinstance(m, norms_taking_16bit_input): continue
         into.append(m.register_forward_pre_hook(in_32, with_kwargs=True))
         into.append(m.register_forward_hook(out_16))
-    return into
 
-# %% ../nbs/00_cast.ipynb #11ff0b5b
+# %% ../nbs/00_cast.ipynb #7993e1e4
 @patch
 def _hook_state_dicts(self:ModelCast) -> None:
     m = self.model
@@ -331,7 +357,7 @@ def _after_load(self:ModelCast, module, incompatible_keys):
     if getattr(self, '_reload', False): self.recast()
     self._reload = False
 
-# %% ../nbs/00_cast.ipynb #9fde79e5
+# %% ../nbs/00_cast.ipynb #82483365
 def cast_model(
     model:nn.Module, # The FP32 model to cast
     dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`

@@ -40,6 +40,7 @@ class MasterParams:
         self.phase = GradPhase.EMPTY # Where this step's gradients are in their life (see below)
         self._in_masters,self._grads = False,[] # whether the open window already put gradients in the masters; what unscale_ unscaled
         self.fp32_grads = False # Whether autograd writes the 16-bit parameters' gradients in FP32 (`set_fp32_grads`)
+        self.copy_back = True # Whether `stepped` copies the masters into the 16-bit parameters (off for a model that re-syncs its copies before each forward)
 
     def __len__(self): return len(self.masters)
     def __repr__(self): return f"{type(self).__name__}({len(self)} masters, {len(self.fp32_params)} FP32 params)"
@@ -103,11 +104,11 @@ def _close_window(self:MasterParams) -> None:
 
 @patch
 def stepped(self:MasterParams) -> None:
-    "The optimizer stepped on the unscaled gradients: copy the stepped masters into the 16-bit parameters"
+    "The optimizer stepped on the unscaled gradients: copy the stepped masters into the 16-bit parameters (if `copy_back`)"
     if self.phase is not GradPhase.UNSCALED:
         raise GradPhaseError(f"stepped() with {self.phase.value}: the optimizer may only step on gradients that "
                              "unscale_() unscaled and checked.")
-    self.masters_to_model()
+    if self.copy_back: self.masters_to_model()
     self._free_grads()
     self._close_window()
 

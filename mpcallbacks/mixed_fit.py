@@ -20,6 +20,7 @@ __all__ = ['mixed_fits', 'MixedFit']
 class MixedFit:
     "What lives only during one fit: the 16-bit model, its FP32 masters and their gradient phase, the ranks' agreement"
     master_type = MasterParams # What holds the masters and their gradients (`SplitMasters` for 16+16)
+    rests = True # Whether the model holds the FP32 masters outside forward and backward (`rest`)
     def __init__(self,
         learn:Learner, # The learner whose model is cast
         dtype:torch.dtype, # The 16-bit type
@@ -27,6 +28,7 @@ class MixedFit:
     ):
         self.learn,self.cast = learn,cast_model(learn.model, dtype, keep)
         self.masters,self.ranks = self.master_type(self.cast.pairs),RankAgreement()
+        self.masters.copy_back = not self.rests # a resting model re-syncs its copies at the next forward
         self.nested = 0 # `before_fit`s dispatched inside this fit (`get_preds` from a callback): their `after_fit` is not the end
         originals = {id(c.copy):c.original for c in self.cast.pairs}
         self.fp32_model_params = [originals.get(id(p), p) for p in learn.model.parameters()]
@@ -48,7 +50,13 @@ def _show_fp32_parameters(self:MixedFit): self.learn.parameters = self.parameter
 def _hide_fp32_parameters(self:MixedFit):
     if self.learn.__dict__.get('parameters') == self.parameters: del self.learn.__dict__['parameters']
 
-# %% ../nbs/03a_mixed_fit.ipynb #ecfa9126
+# %% ../nbs/03a_mixed_fit.ipynb #26618563
+@patch
+def rest(self:MixedFit) -> None:
+    "Put the FP32 masters in the model until its next forward (a no-op for masters that are no FP32 tensors between steps)"
+    if self.rests: self.cast.rest()
+
+# %% ../nbs/03a_mixed_fit.ipynb #ea977cda
 @patch
 def sync_requires_grad(self:MixedFit) -> None:
     "Give each copy and its master the `requires_grad` of whichever side changed it since they last agreed"
@@ -59,7 +67,7 @@ def sync_requires_grad(self:MixedFit) -> None:
             else: c.copy.requires_grad_(b)                               # the optimizer's side changed (freeze)
         self.requires_grad[i] = c.copy.requires_grad
 
-# %% ../nbs/03a_mixed_fit.ipynb #a69e898f
+# %% ../nbs/03a_mixed_fit.ipynb #3f805b5b
 @patch
 def start_training(self:MixedFit) -> None:
     "Follow `freeze`/`unfreeze` and a new optimizer; under DDP, start every rank from rank 0's masters"
@@ -76,7 +84,7 @@ def start_training(self:MixedFit) -> None:
     self.masters.set_fp32_grads(not ddp_wrapped(self.learn.model))
     self.ranks.start_training(self.learn.model, self.cast)
 
-# %% ../nbs/03a_mixed_fit.ipynb #b2d7895f
+# %% ../nbs/03a_mixed_fit.ipynb #3ce43244
 @contextmanager
 def _fp32_block(fit:MixedFit):
     if not fit.cast.cast:
@@ -94,7 +102,7 @@ def fp32(self:MixedFit): # A context manager
     "The FP32 model, and the learner's own `parameters`, for the length of a `with` block"
     return _fp32_block(self)
 
-# %% ../nbs/03a_mixed_fit.ipynb #29d803d1
+# %% ../nbs/03a_mixed_fit.ipynb #fdaf9fbf
 @patch
 def weights_note(self:MixedFit) -> str: # A sentence for an error message
     "Whether the FP32 weights are the last good ones, or themselves non-finite (one host sync, at the end of a fit)"
@@ -104,7 +112,7 @@ def weights_note(self:MixedFit) -> str: # A sentence for an error message
     return ("Some weights are themselves inf or NaN, which no step of mixed precision wrote (they were loaded, or written "
             "by hand): load a good checkpoint.")
 
-# %% ../nbs/03a_mixed_fit.ipynb #30bd6f34
+# %% ../nbs/03a_mixed_fit.ipynb #2ce14e9f
 @patch
 def close(self:MixedFit) -> None:
     "Put the FP32 model back for good, equal to the masters"
@@ -113,5 +121,5 @@ def close(self:MixedFit) -> None:
     self._hide_fp32_parameters()
     self.cast.restore()
 
-# %% ../nbs/03a_mixed_fit.ipynb #1d5eb1e0
+# %% ../nbs/03a_mixed_fit.ipynb #b8d8db67
 mixed_fits = {'fp32': MixedFit} # `masters` -> the per-fit class that builds them

@@ -106,17 +106,19 @@ def masters(learn) -> list:
 def inner(model): return model.module if isinstance(model, DistributedDataParallel) else model
 
 class Trace(Callback):
-    "After each training batch: digests of the masters and of the model's (16-bit) weights, the scale, and the counts"
+    "After each training batch: digests of the masters and of the 16-bit weights its forward used, the scale, and the counts"
     order = 50
     def before_fit(self): self.batches = []
     def before_batch(self): self.seen = Counter(counts)
+    def after_pred(self):
+        if self.training: self.weights = digest(inner(self.model).parameters())
     def after_loss(self):
         if self.training: self.loss_finite = bool(torch.isfinite(self.loss_grad).all())
     def after_batch(self):
         if not self.training: return
         delta = {k: counts[k] - self.seen[k] for k in ('all_reduce', 'unscale_', 'buckets', 'reduced')}
         mmp = self.learn.master_mixed_precision
-        self.batches.append(dict(masters=digest(masters(self.learn)), weights=digest(inner(self.model).parameters()),
+        self.batches.append(dict(masters=digest(masters(self.learn)), weights=self.weights,
             steps=len(mmp.scaler.history), scale=mmp.loss_scale, loss_finite=self.loss_finite, **delta))
     def after_fit(self):
         self.history = list(self.learn.master_mixed_precision.scaler.history)

@@ -242,16 +242,16 @@ def test_plot_loss_scale_marks_skips():
 def test_drift_check_catches_writes_to_the_16bit_model():
     learn = synth_learner().to_mixed(check_drift=True)
     learn.fit(1, 1e-2) # no drift in normal training
-    class WriteTo16(Callback):
+    class WriteTo16(Callback): # during forward and backward the model holds the 16-bit copies
         order = MasterMixedPrecision.order + 1
-        def after_batch(self):
+        def after_pred(self):
             if self.training and self.iter == 2:
-                with torch.no_grad(): self.model[0].weight.add_(1.)
+                self.model[0].weight.data.add_(1.) # `.data`: a write autograd does not see (`p.data.clamp_`)
     with pytest.raises(RuntimeError, match='differ from their FP32 masters'): learn.fit(1, 1e-2, cbs=WriteTo16())
     assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
 
 def test_drift_check_catches_a_broken_copy_back(monkeypatch):
-    from mpcallbacks.master import MasterParams
-    monkeypatch.setattr(MasterParams, 'masters_to_model', lambda self: None)
+    from mpcallbacks.cast import ModelCast
+    monkeypatch.setattr(ModelCast, 'sync_copies', lambda self: None) # the copies never follow the stepped masters
     learn = synth_learner().to_mixed(check_drift=True)
     with pytest.raises(RuntimeError, match='differ from their FP32 masters'): learn.fit(1, 1e-2)

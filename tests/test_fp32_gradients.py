@@ -19,13 +19,15 @@ def digest(ts) -> str:
     return h.hexdigest()
 
 class Hashes(Callback):
-    "A hash of the masters (the optimizer's tensors) and of the model's 16-bit weights after every training batch"
+    "A hash of the 16-bit weights each training forward used, and of the masters (the optimizer's tensors) after the batch"
     order = 100
     def __init__(self): self.seen,self.grad_dtypes = [],set()
-    def after_batch(self):
-        if not self.training: return
-        self.seen.append((digest([p for pg in self.opt.param_lists for p in pg]), digest(self.model.parameters())))
+    def after_pred(self):
+        if self.training: self.used = digest(self.model.parameters())
+    def after_backward(self): # the model holds the 16-bit copies from the forward to the end of backward
         self.grad_dtypes |= {p.grad_dtype for p in self.model.parameters() if p.dtype != torch.float32}
+    def after_batch(self):
+        if self.training: self.seen.append((digest([p for pg in self.opt.param_lists for p in pg]), self.used))
 
 def mlp(): torch.manual_seed(0); return nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 10))
 def cnn(): torch.manual_seed(0); return digits_cnn(8)
@@ -62,9 +64,9 @@ class Between(Callback):
     def __init__(self): self.alive,self.copies,self.grad_dtypes = [],[],set()
     def after_batch(self):
         if not self.training: return
-        self.copies = [p for p in self.model.parameters() if p.dtype == torch.bfloat16]
+        self.copies = [c.copy for c in self.learn.master_mixed_precision.fit_state.cast.pairs] # out of the model, which rests
         self.grad_dtypes |= {p.grad_dtype for p in self.copies}
-        self.alive.append(sum(p.grad is not None for p in [*self.model.parameters(), *self.learn.parameters()]))
+        self.alive.append(sum(p.grad is not None for p in [*self.copies, *self.model.parameters(), *self.learn.parameters()]))
 
 @pytest.mark.parametrize('opt', ['Adam', 'AdamW'])
 def test_no_gradient_is_alive_between_steps_and_grad_dtype_is_restored(opt):

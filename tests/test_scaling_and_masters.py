@@ -149,14 +149,16 @@ class Probe(Callback):
     order = MasterMixedPrecision.order + 1
     def __init__(self): self.seen = defaultdict(set)
     def before_fit(self): self._record('before_fit')
-    def before_validate(self): self._record('validate')
-    def after_pred(self): self.seen['pred'].add(self.pred.dtype)
+    def after_pred(self):
+        self.seen['pred'].add(self.pred.dtype)
+        if not self.training: self._record('validate')
+        conv = self.model[0].weight # the 16-bit copy the forward used, re-synced from its master
+        self.seen['synced'].add(torch.equal(conv.detach(), self.opt.param_lists[0][0].detach().to(conv.dtype)))
     def before_step(self):
         self.seen['step_grads'] |= {p.grad.dtype for p in opt_params(self.learn) if p.grad is not None}
         self.seen['clip_view'] |= {p.dtype for p in self.learn.parameters()}
-    def after_step(self):
-        conv = self.model[0].weight
-        self.seen['synced'].add(torch.equal(conv.detach(), self.opt.param_lists[0][0].detach().to(conv.dtype)))
+    def after_step(self): # between batches the model rests: it holds the masters themselves
+        self.seen['rests'].add(self.model[0].weight is self.opt.param_lists[0][0])
     def _record(self, k):
         self.seen[k+'_conv'] |= {p.dtype for p in self.model[0].parameters()} | {p.dtype for p in self.model[4].parameters()}
         self.seen[k+'_bn'] |= {p.dtype for p in self.model[1].parameters()} | {b.dtype for b in self.model[1].buffers() if b.is_floating_point()}
@@ -178,7 +180,7 @@ def test_dtypes_during_fit(dtype, opt_func):
     assert s['before_fit_opt'] == s['validate_opt'] == {torch.float32}
     assert s['validate_state'] == {torch.float32}
     assert s['pred'] == {torch.float32} and s['step_grads'] == {torch.float32} and s['clip_view'] == {torch.float32}
-    assert s['synced'] == {True}
+    assert s['synced'] == {True} and s['rests'] == {True}
     # after fit: the same groups, in the same order, holding the model's own (FP32) parameters
     assert [[id(p) for p in pg] for pg in learn.opt.param_lists] == groups
     assert opt_params(learn) == list(learn.model.parameters())

@@ -26,12 +26,14 @@ def masters(learn) -> list:
     return [ms.rebuild(ms.index[id(p)]) if id(p) in ms.index else p for p in opt_params]
 
 class Hashes(Callback):
-    "After every training batch: a hash of the masters and of the model's weights; the FP32 bytes the split masters hold"
+    "After every training batch: a hash of the masters and of the weights its forward used; the FP32 bytes the split masters hold"
     order = 100
     def __init__(self): self.seen,self.held = [],[]
+    def after_pred(self):
+        if self.training: self.used = digest(self.model.parameters())
     def after_batch(self):
         if not self.training: return
-        self.seen.append((digest(masters(self.learn)), digest(self.model.parameters())))
+        self.seen.append((digest(masters(self.learn)), self.used))
         fit = self.learn.master_mixed_precision.fit_state
         if isinstance(fit, SplitMixedFit): self.held.append(sum(m.numel() for m in fit.masters.masters))
 

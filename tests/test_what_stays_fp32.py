@@ -26,10 +26,10 @@ class NormNet(nn.Module):
         return self.head(torch.relu(self.ln(self.lin(h))))
 
 class NormDtypes(Callback):
-    "The dtypes of the norm layers' parameters, and of the cast layers', as the model holds them during each batch"
+    "The dtypes of the norm layers' parameters, and of the cast layers', as the model holds them in each forward"
     order = 50
     def __init__(self): self.norms, self.others = set(), set()
-    def before_batch(self):
+    def after_pred(self):
         for m in self.learn.model.modules():
             (self.norms if isinstance(m, (nn.LayerNorm, nn.GroupNorm)) else self.others).update(
                 p.dtype for p in m.parameters(recurse=False))

@@ -279,7 +279,7 @@ def test_batchnorm_variants_and_keep_fp32(keep):
     seen = {}
     class P(Callback):
         order = MasterMixedPrecision.order + 1
-        def after_batch(self):
+        def after_pred(self): # what the forward ran with
             m = self.model
             for n, t in list(m.named_parameters()) + list(m.named_buffers()): seen.setdefault(n, set()).add(t.dtype)
     learn.fit(1, 1e-2, cbs=P())
