@@ -77,13 +77,7 @@ def before_fit(self:MasterMixedPrecision):
     self.fit_state = mixed_fits[self.masters](self.learn, self.dtype, self.keep)
     warn_if_slow(self.dtype, self.fit_state.cast.device)
 
-# %% ../nbs/03_callback.ipynb #ce4bf63a
-@patch
-def before_epoch(self:MasterMixedPrecision):
-    "The model rests: it holds the FP32 masters until the next forward"
-    if self.fit_state is not None: self.fit_state.rest()
-
-# %% ../nbs/03_callback.ipynb #522755fa
+# %% ../nbs/03_callback.ipynb #cbae1d2b
 @patch
 def before_train(self:MasterMixedPrecision):
     "Follow `freeze`/`unfreeze` and optimizer changes made between epochs; under DDP, start from rank 0's masters"
@@ -91,15 +85,16 @@ def before_train(self:MasterMixedPrecision):
     fit.start_training()
     fit.rest()
 
-# %% ../nbs/03_callback.ipynb #32e3ea9d
+# %% ../nbs/03_callback.ipynb #8bc10909
 @patch
 def before_batch(self:MasterMixedPrecision):
     "The model rests; agree on `requires_grad` between the 16-bit copies and the masters, whichever side changed it"
     if (fit := self.fit_state) is None: return
     fit.rest()
+    fit.in_batch = True
     if self.training: fit.sync_requires_grad()
 
-# %% ../nbs/03_callback.ipynb #986bdb69
+# %% ../nbs/03_callback.ipynb #4c7f4e5f
 @patch
 def after_fit(self:MasterMixedPrecision):
     "Put the FP32 model back, equal to the masters (inside a fit: nothing)"
@@ -107,32 +102,32 @@ def after_fit(self:MasterMixedPrecision):
     if fit.nested: fit.nested -= 1
     else: self.end_fit()
 
-# %% ../nbs/03_callback.ipynb #9276906f
+# %% ../nbs/03_callback.ipynb #34f3c0e0
 @patch
 def end_fit(self:MasterMixedPrecision) -> None:
     "Put the FP32 model back, equal to the masters, and drop all the fit held; safe to call twice"
     fit,self.fit_state = self.fit_state,None
     if fit is not None: fit.close()
 
-# %% ../nbs/03_callback.ipynb #a492a8df
+# %% ../nbs/03_callback.ipynb #587640ef
 @patch
 def after_pred(self:MasterMixedPrecision):
     "Hand FP32 predictions to the loss function"
     if self.fit_state is not None: self.learn.pred = to_float(self.pred)
 
-# %% ../nbs/03_callback.ipynb #5b35dbf3
+# %% ../nbs/03_callback.ipynb #69ca3fb2
 @patch
 def after_loss(self:MasterMixedPrecision):
     "Keep the loss in FP32, also where the loss function runs 16-bit sub-models itself (a GAN's critic)"
     if self.fit_state is not None: self.learn.loss_grad,self.learn.loss = to_float(self.loss_grad),to_float(self.loss)
 
-# %% ../nbs/03_callback.ipynb #bee6f91b
+# %% ../nbs/03_callback.ipynb #3851ea5f
 @patch
 def before_backward(self:MasterMixedPrecision):
     "Multiply the loss by the scale"
     if self.fit_state is not None: self.learn.loss_grad = self.scaler.scale_loss(self.loss_grad)
 
-# %% ../nbs/03_callback.ipynb #6d69bfe0
+# %% ../nbs/03_callback.ipynb #95652374
 @patch
 def after_backward(self:MasterMixedPrecision):
     "Note the backward pass in the gradient lifecycle, and whether DDP all-reduced it"
@@ -141,7 +136,7 @@ def after_backward(self:MasterMixedPrecision):
     fit.masters.backward()
     fit.ranks.after_backward(self.learn.model)
 
-# %% ../nbs/03_callback.ipynb #47e4c0d8
+# %% ../nbs/03_callback.ipynb #f677017c
 @patch
 def before_step(self:MasterMixedPrecision):
     "The model rests; move the gradients into the masters, unscale and check them in one pass: skip the step on inf/NaN"
@@ -156,13 +151,13 @@ def before_step(self:MasterMixedPrecision):
         raise CancelFitException() from e
     raise CancelStepException()
 
-# %% ../nbs/03_callback.ipynb #aa96acef
+# %% ../nbs/03_callback.ipynb #9fbaa4c0
 @patch
 def after_cancel_step(self:MasterMixedPrecision):
     "Drop the gradients of a step another callback cancelled, as fastai's `zero_grad` does"
     if (fit := self.fit_state) is not None and fit.masters.phase is GradPhase.UNSCALED: fit.masters.skip()
 
-# %% ../nbs/03_callback.ipynb #436d2b6e
+# %% ../nbs/03_callback.ipynb #ce9b1cfc
 @patch
 def after_step(self:MasterMixedPrecision):
     "After a step the optimizer took: count it for the scale's growth, drop the gradients"
@@ -170,7 +165,7 @@ def after_step(self:MasterMixedPrecision):
     self.scaler.update(False)
     fit.masters.stepped()
 
-# %% ../nbs/03_callback.ipynb #41f1e0dd
+# %% ../nbs/03_callback.ipynb #df060810
 @patch
 def after_cancel_batch(self:MasterMixedPrecision):
     "Keep a postponed batch's gradients, scaled, in FP32 for the next step (gradient accumulation); the model rests"
@@ -178,26 +173,21 @@ def after_cancel_batch(self:MasterMixedPrecision):
     fit.masters.cancel(self.scaler.scale, keep_in_model=fit.ranks.leave_to_ddp())
     fit.rest()
 
-# %% ../nbs/03_callback.ipynb #1dc2a34c
+# %% ../nbs/03_callback.ipynb #50ddedde
 @patch
 def after_batch(self:MasterMixedPrecision):
     "The model rests (in validation, only after the last batch)"
     if (fit := self.fit_state) is None: return
+    fit.in_batch = False
     if self.training or self.iter >= getattr(self.learn, 'n_iter', 0) - 1: fit.rest()
 
-# %% ../nbs/03_callback.ipynb #792c43e2
+# %% ../nbs/03_callback.ipynb #fcd0e7bf
 @patch
 def after_validate(self:MasterMixedPrecision):
     "The model rests (a validation cancelled part way)"
     if self.fit_state is not None: self.fit_state.rest()
 
-# %% ../nbs/03_callback.ipynb #11ec9895
-@patch
-def after_epoch(self:MasterMixedPrecision):
-    "The model rests (after a forward run by a callback at the end of the epoch)"
-    if self.fit_state is not None: self.fit_state.rest()
-
-# %% ../nbs/03_callback.ipynb #fd77175b
+# %% ../nbs/03_callback.ipynb #960f91ac
 @patch
 def _check_drift(self:MasterMixedPrecision):
     "Raise if a 16-bit weight differs from its master cast to 16 bits"
@@ -208,13 +198,13 @@ def _check_drift(self:MasterMixedPrecision):
                              "from the masters (the optimizer's parameters) would undo it. Write to the weights between "
                              "batches, where they are the masters.")
 
-# %% ../nbs/03_callback.ipynb #df49dcac
+# %% ../nbs/03_callback.ipynb #f887e1d7
 @patch
 def fp32_model(self:MasterMixedPrecision): # A context manager
     "Within this context the model holds its FP32 parameters, even in the middle of a fit"
     return self.fit_state.fp32() if self.fit_state is not None else nullcontext()
 
-# %% ../nbs/03_callback.ipynb #fa9cbac7
+# %% ../nbs/03_callback.ipynb #03556b47
 @patch
 def plot_loss_scale(self:MasterMixedPrecision,
     ax=None, # Matplotlib axes to draw on; a new figure if None
@@ -234,7 +224,7 @@ def plot_loss_scale(self:MasterMixedPrecision,
     ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
     return ax
 
-# %% ../nbs/03_callback.ipynb #c9aac966
+# %% ../nbs/03_callback.ipynb #5a723e64
 from mpcallbacks import learner as _learner # noqa: F401 (`Learner.to_mixed` and the guards)
 from mpcallbacks.scaler import make_scaler # noqa: F401
 from mpcallbacks import split_masters as _split_masters # noqa: F401 (registers masters='16+16' in `mixed_fits`)

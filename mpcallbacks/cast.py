@@ -15,14 +15,18 @@ import copy, warnings
 from functools import partial
 from typing import NamedTuple
 from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils import parametrizations
+import importlib
 from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['always_fp32', 'norms_taking_16bit_input', 'keeps_fp32', 'as_16bit_dtype', 'native_16bit_dtypes', 'warn_if_slow',
            'CastSlot', 'CastPair', 'check_castable', 'unmatched_names', 'ModelCast', 'cast_model']
 
-# %% ../nbs/00_cast.ipynb #82befbf2
-always_fp32 = (_NormBase, nn.LayerNorm, nn.GroupNorm) # every normalization layer: statistics and their parameters in FP32
+# %% ../nbs/00_cast.ipynb #a02f7f2c
+_SpectralNorm = getattr(parametrizations, '_SpectralNorm', None) # the parametrization (torch's private name)
+_SpectralNormHook = getattr(importlib.import_module('torch.nn.utils.spectral_norm'), 'SpectralNorm', None) # the older hook
+always_fp32 = (_NormBase, nn.LayerNorm, nn.GroupNorm) + tuple(t for t in (_SpectralNorm,) if t) # every normalization layer: statistics and their parameters in FP32
 norms_taking_16bit_input = (_NormBase, nn.LayerNorm, nn.GroupNorm) # FP32 layers whose kernels take 16-bit input and return it
 
 # %% ../nbs/00_cast.ipynb #54cebf4f
@@ -34,10 +38,11 @@ def keeps_fp32(
     module:nn.Module, # The module itself
     keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
 ) -> bool: # Whether `module` (and so all its children) stays in FP32
-    "Whether `module` is one that stays in FP32"
+    "Whether `module` is one that stays in FP32 (or computes its weight with the older `spectral_norm` hook)"
     types = tuple(k for k in keep if isinstance(k, type))
     names = [k for k in keep if isinstance(k, str)]
-    return (bool(types) and isinstance(module, types)) or any(fnmatchcase(name, n) for n in names)
+    hooked = _SpectralNormHook is not None and any(isinstance(h, _SpectralNormHook) for h in module._forward_pre_hooks.values())
+    return (bool(types) and isinstance(module, types)) or any(fnmatchcase(name, n) for n in names) or hooked
 
 # %% ../nbs/00_cast.ipynb #f3845181
 _dtype_names = {'float16': torch.float16, 'fp16': torch.float16, 'half': torch.float16,

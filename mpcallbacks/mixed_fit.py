@@ -33,7 +33,11 @@ class MixedFit:
         originals = {id(c.copy):c.original for c in self.cast.pairs}
         self.fp32_model_params = [originals.get(id(p), p) for p in learn.model.parameters()]
         self.requires_grad = [c.original.requires_grad for c in self.cast.pairs] # as last agreed by each copy and its master
+        self.in_batch = False # from `before_batch` to `after_batch`: the batch's own forward and backward keep the copies in
+        self._rest_hook = self.cast.model.register_forward_hook(self._after_forward) if self.rests else None
         self._show_fp32_parameters()
+        # DDP (`DistributedTrainer`, at `before_fit`) registers the parameters it finds: they must be the copies
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()): self.rest()
 
     def __repr__(self): return f"{type(self).__name__}({len(self.cast.pairs)} cast tensors, {self.masters.phase.name})"
 
@@ -55,6 +59,10 @@ def _hide_fp32_parameters(self:MixedFit):
 def rest(self:MixedFit) -> None:
     "Put the FP32 masters in the model until its next forward (a no-op for masters that are no FP32 tensors between steps)"
     if self.rests: self.cast.rest()
+
+@patch
+def _after_forward(self:MixedFit, model, args, out):
+    if not self.in_batch: self.rest() # a forward outside a batch (samples drawn at the end of an epoch): rest right away
 
 # %% ../nbs/03a_mixed_fit.ipynb #ea977cda
 @patch
@@ -119,6 +127,7 @@ def close(self:MixedFit) -> None:
     self.sync_requires_grad()
     self.masters.set_fp32_grads(False)
     self._hide_fp32_parameters()
+    if self._rest_hook is not None: self._rest_hook.remove()
     self.cast.restore()
 
 # %% ../nbs/03a_mixed_fit.ipynb #b8d8db67

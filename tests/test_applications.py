@@ -106,6 +106,24 @@ def make_transformer():
     y = ((t < VOCAB // 2).float().mean(1) > 0.5).long() # whether most tokens are in the lower half of the vocabulary
     return Learner(tensor_dls(t, y, 128, bs=32), TransformerClassifier(), loss_func=CrossEntropyLossFlat())
 
+def make_normalized_weights(old:bool):
+    "`synth_model` with its conv and linear weights reparametrized: weight norm on one, spectral norm on the other"
+    def make():
+        from mpcallbacks.test_utils import synth_learner
+        learn = synth_learner()
+        m, P = learn.model, nn.utils.parametrizations
+        m[0] = (nn.utils.weight_norm if old else P.weight_norm)(m[0]) # computed from the 16-bit copies in the forward
+        m[4] = (nn.utils.spectral_norm if old else P.spectral_norm)(m[4]) # power iteration in FP32
+        return learn
+    return make
+
+def make_compiled():
+    "`synth_model` compiled: dynamo traces our hooks (the copies are already in when it does)"
+    from mpcallbacks.test_utils import synth_learner
+    learn = synth_learner()
+    learn.model = torch.compile(learn.model)
+    return learn
+
 GAN_SIZE, NOISE = 16, 8
 
 def gan_dls(n=96):
@@ -134,6 +152,9 @@ FAMILIES = [
     ('collab_dot', make_collab(False), 3, 3e-2, 0.15, 0.9),
     ('collab_nn', make_collab(True), 3, 1e-2, 0.15, 0.8),
     ('transformer', make_transformer, 3, 1e-3, 0.15, 0.9),
+    ('weight_and_spectral_norm', make_normalized_weights(False), 2, 1e-2, 0.15, 0.8),
+    ('weight_and_spectral_norm_hooks', make_normalized_weights(True), 2, 1e-2, 0.15, 0.8),
+    ('torch.compile', make_compiled, 2, 1e-2, 0.15, 0.9),
     ('wgan', make_wgan, 2, 1e-3, None, 0.8), # checked by `assert_gan_like_fp32` below: WGAN's loss does not simply fall
 ]
 
