@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch, torchvision
 from torch import nn
 from fastai.callback.fp16 import to_master_grads, grad_overflow, to_model_params
+import copy
+from mpcallbacks.cast import cast_model
 from mpcallbacks.master import MasterParams
 from mpcallbacks.scaler import LossScaler
 from .common import time_side_by_side, median_ms, linear_norm_stack, n_tensors, n_params
@@ -34,7 +36,12 @@ def bookkeeping_fns(model:nn.Module, dtype=torch.float16, device='cpu', loss_sca
         grads = masters.grads_to_masters()
         found_inf = scaler.unscale_(grads)
         return found_inf.item() # the callback's one host sync per step
-    def ours_copy_back(): masters.masters_to_model()
+    # The copy-back of the default mode: the model rests on its masters after the step, and the next forward wakes the
+    # copies, re-synced (the swap both ways, the requires_grad check and one foreach copy of every cast tensor).
+    cast = cast_model(copy.deepcopy(model), dtype)
+    def ours_copy_back():
+        cast.rest()
+        cast.wake()
     # Ours where torch has `grad_dtype` (the default there, outside DDP): backward wrote FP32 gradients into the 16-bit
     # parameters, and the masters adopt them by reference; what is left is the unscale-and-check pass.
     lean16,lean32 = _16bit_params_with_grads(model, dtype),_fp32_masters(model)

@@ -36,7 +36,7 @@ def bookkeeping_section(rows:list) -> str:
     return ('### 1. Bookkeeping per optimizer step (float16 parameters)\n\n'
             'ours grad path = `grads_to_masters()` + `LossScaler.unscale_()` + one `.item()`: from 16-bit gradients (converted one '
             'tensor at a time), and, where torch has `Tensor.grad_dtype`, from the FP32 gradients autograd writes (adopted by '
-            'reference: only the unscale-and-check pass is left); ours copy-back = `masters_to_model()`. '
+            'reference: only the unscale-and-check pass is left); ours copy-back = `ModelCast.rest()` + `wake()` (the model rests on its masters between batches; the next forward re-syncs the copies and puts them in). '
             'fastai grad path = `grad_overflow` + `to_master_grads` + per-parameter `div_` (as `NonNativeMixedPrecision.before_step`); '
             'fastai copy-back = `to_model_params`. copy_ = one flat tensor of the same number of values. '
             'The `ref:` rows are variants of our grad path, for where its time goes.\n\n' + md_table(cols, body))
