@@ -1,5 +1,6 @@
 """Models that make FP32 tensors inside `forward` (an LSTM's explicit zero state, a positional signal built with `.float()`,
 noise from `torch.randn`) train under `to_mixed()` as in FP32 (issue 12, item 4)."""
+import sys
 import math
 import pytest, torch
 from torch import nn
@@ -63,3 +64,15 @@ def test_fp32_tensors_made_in_forward_train_as_in_fp32(model_cls):
     ref = fit_once(make_learner(model_cls), None, 2, 1e-2)
     mix = fit_once(make_learner(model_cls), dict(dtype=torch.bfloat16), 2, 1e-2)
     assert_like_fp32(ref, mix, loss_rtol=0.15, cos_min=0.9)
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason='exception notes are new in Python 3.11')
+def test_a_dtype_clash_in_forward_says_what_to_do():
+    "The one case that fails (a tensor made in forward, combined with the module's own weight): torch's error gets a note"
+    learn = make_learner(PositionsTimesOwnWeight)().to_mixed(torch.bfloat16)
+    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
+    with pytest.raises(RuntimeError) as e: learn.fit(1, 1e-2)
+    note = ' '.join(getattr(e.value, '__notes__', []))
+    assert "dtype=self.weight.dtype" in note and "keep_fp32" in note, note
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
+    with pytest.raises(RuntimeError) as e: torch.ones(2, 2) @ torch.ones(2, 2, dtype=torch.bfloat16) # not through a learner: no note
+    assert not getattr(e.value, '__notes__', None)
