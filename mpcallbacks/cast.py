@@ -249,6 +249,7 @@ def rest(self:ModelCast) -> None:
     self._put('original')
     self.resting = True
 
+# %% ../nbs/00_cast.ipynb #a2159dc7
 @patch
 def wake(self:ModelCast) -> None:
     "Put the copies in again, re-synced from the originals (values and `requires_grad`): what the next forward calls"
@@ -259,7 +260,7 @@ def wake(self:ModelCast) -> None:
     self._put('copy')
     self.resting = False
 
-# %% ../nbs/00_cast.ipynb #51a19abc
+# %% ../nbs/00_cast.ipynb #23cd9751
 @patch
 def uncast(self:ModelCast) -> None:
     "Put the FP32 originals in the model, without the dtype hooks (`recast` returns to the state before, resting or not)"
@@ -267,7 +268,7 @@ def uncast(self:ModelCast) -> None:
     for h in self.hooks: h.remove()
     self.hooks,self.cast = [],False
 
-# %% ../nbs/00_cast.ipynb #8a7f632a
+# %% ../nbs/00_cast.ipynb #8be406e9
 @patch
 def recast(self:ModelCast) -> None:
     "Arm the dtype hooks again, with the 16-bit copies re-synced from the originals and in the model (unless `resting`)"
@@ -287,7 +288,7 @@ def _swap_in(self:ModelCast) -> None:
         raise
     self.cast = True
 
-# %% ../nbs/00_cast.ipynb #babe4a01
+# %% ../nbs/00_cast.ipynb #11c05b39
 @patch
 def restore(self:ModelCast) -> None:
     "Put the FP32 originals back for good, without the hooks, and no 16-bit tensor the fit left behind"
@@ -299,7 +300,7 @@ def restore(self:ModelCast) -> None:
     for h in self.state_hooks: h.remove()
     self.params,self.kept,self.model,self.state_hooks,self.resting = [],[],None,[],False
 
-# %% ../nbs/00_cast.ipynb #2d612a99
+# %% ../nbs/00_cast.ipynb #016591d5
 def _to(x, dtype):
     "`x` with its floating-point tensors cast to `dtype`, in containers kept as they are (namedtuple, `PackedSequence`, subclasses)"
     if isinstance(x, Tensor): return x.to(dtype) if x.is_floating_point() else x
@@ -331,7 +332,7 @@ def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
         into.append(m.register_forward_pre_hook(in_32, with_kwargs=True))
         into.append(m.register_forward_hook(out_16))
 
-# %% ../nbs/00_cast.ipynb #7993e1e4
+# %% ../nbs/00_cast.ipynb #7b3aca00
 @patch
 def _hook_state_dicts(self:ModelCast) -> None:
     m = self.model
@@ -362,7 +363,7 @@ def _after_load(self:ModelCast, module, incompatible_keys):
     if getattr(self, '_reload', False): self.recast()
     self._reload = False
 
-# %% ../nbs/00_cast.ipynb #82483365
+# %% ../nbs/00_cast.ipynb #ea7fc672
 def cast_model(
     model:nn.Module, # The FP32 model to cast
     dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`
