@@ -27,17 +27,23 @@ class MixedFit:
         keep:tuple, # Types and name patterns of modules that stay in FP32
     ):
         self.learn,self.cast = learn,cast_model(learn.model, dtype, keep)
-        self.masters,self.ranks = self.master_type(self.cast.pairs),RankAgreement()
-        self.masters.copy_back = not self.rests # a resting model re-syncs its copies at the next forward
-        self.nested = 0 # `before_fit`s dispatched inside this fit (`get_preds` from a callback): their `after_fit` is not the end
-        originals = {id(c.copy):c.original for c in self.cast.pairs}
-        self.fp32_model_params = [originals.get(id(p), p) for p in learn.model.parameters()]
-        self.requires_grad = [c.original.requires_grad for c in self.cast.pairs] # as last agreed by each copy and its master
-        self.in_batch = False # from `before_batch` to `after_batch`: the batch's own forward and backward keep the copies in
-        self._rest_hook = self.cast.model.register_forward_hook(self._after_forward) if self.rests else None
+        self._rest_hook = None
+        try:
+            self.masters,self.ranks = self.master_type(self.cast.pairs),RankAgreement()
+            self.masters.copy_back = not self.rests # a resting model re-syncs its copies at the next forward
+            self.nested = 0 # `before_fit`s dispatched inside this fit (`get_preds` from a callback): their `after_fit` is not the end
+            originals = {id(c.copy):c.original for c in self.cast.pairs}
+            self.fp32_model_params = [originals.get(id(p), p) for p in learn.model.parameters()]
+            self.requires_grad = [c.original.requires_grad for c in self.cast.pairs] # as last agreed by each copy and its master
+            self.in_batch = False # from `before_batch` to `after_batch`: the batch's own forward and backward keep the copies in
+            if self.rests: self._rest_hook = self.cast.model.register_forward_hook(self._after_forward)
+            # DDP (`DistributedTrainer`, at `before_fit`) registers the parameters it finds: they must be the copies
+            if not (torch.distributed.is_available() and torch.distributed.is_initialized()): self.rest()
+        except BaseException: # nothing of a fit that did not start stays behind (an interrupt, masters it cannot build)
+            if self._rest_hook is not None: self._rest_hook.remove()
+            self.cast.restore()
+            raise
         self._show_fp32_parameters()
-        # DDP (`DistributedTrainer`, at `before_fit`) registers the parameters it finds: they must be the copies
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()): self.rest()
 
     def __repr__(self): return f"{type(self).__name__}({len(self.cast.pairs)} cast tensors, {self.masters.phase.name})"
 

@@ -5,11 +5,12 @@ from mpcallbacks.test_utils import synth_dls, synth_model, synth_learner, opt_pa
 warnings.filterwarnings('ignore', message='float16 math is emulated')
 torch.set_num_threads(1) # tiny ops: one thread is faster and results do not depend on the thread count
 
-# Known defects: reproductions of what is still open, expected to fail. `strict`: once fixed, each fails as XPASS, so its
-# entry here goes with the fix.
+# Known limits: reproductions of what does not work yet, expected to fail (documented under "Limits" in
+# nbs/14_supported.ipynb). `strict`: once it works, each fails as XPASS, so its entry here goes with the change.
 known_defects = {
     'test_tensors_made_in_forward.py::test_fp32_tensors_made_in_forward_train_as_in_fp32[PositionsTimesOwnWeight]':
-        "issue 12 item 4: an FP32 tensor made in forward that meets a module's own 16-bit weight inside that module's forward",
+        "limit: an FP32 tensor a module makes in its own forward and multiplies by its own 16-bit weight (the error "
+        "says what to do: test_a_dtype_clash_in_forward_says_what_to_do)",
 }
 
 def pytest_collection_modifyitems(items):

@@ -141,3 +141,16 @@ def test_ctrl_c_during_recast_after_mid_fit_save_leaves_learner_intact(tmp_path,
     assert raised == window.fired, f"Ctrl-C at window point {k} (fired: {window.fired}) {'was swallowed' if window.fired else 'invented'}"
     monkeypatch.undo()
     assert_fp32_and_intact(learn, hooks)
+
+@pytest.mark.parametrize('exc', [RuntimeError('out of memory'), KeyboardInterrupt()], ids=['error', 'ctrl-c'])
+def test_a_fit_whose_masters_cannot_be_built_leaves_learner_intact(exc, monkeypatch):
+    "The cast succeeded, then building what holds the masters failed: the cast is undone before the error goes on"
+    import mpcallbacks.mixed_fit
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    snap = snapshot(learn.model)
+    def failing(*args, **kwargs): raise exc
+    monkeypatch.setattr(mpcallbacks.mixed_fit.MixedFit, 'master_type', failing)
+    with pytest.raises(type(exc)): learn.fit(1, 1e-3)
+    assert_exactly_as_before(learn.model, snap)
+    monkeypatch.undo()
+    assert_fp32_and_intact(learn, snap['hooks'])
