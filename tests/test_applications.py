@@ -11,7 +11,7 @@ from fastai.vision.all import vision_learner, unet_learner, resnet18, xresnet18,
 from fastai.vision.gan import GANLearner, basic_generator, basic_critic, InvisibleTensor
 from fastai.text.all import (AWD_LSTM, get_language_model, get_text_classifier, TextLearner, awd_lstm_lm_split,
                              awd_lstm_clas_split, awd_lstm_lm_config, LMTensorText, TensorText)
-from fastai.tabular.all import TabularDataLoaders, tabular_learner, Categorify, Normalize, CategoryBlock
+from fastai.tabular.all import TabularDataLoaders, tabular_learner, Categorify, Normalize, CategoryBlock, RegressionBlock
 from fastai.collab import CollabDataLoaders, collab_learner
 import mpcallbacks.all # noqa: F401 (`Learner.to_mixed`)
 from like_fp32 import fit_once, assert_like_fp32
@@ -77,6 +77,18 @@ def make_tabular():
     dls = TabularDataLoaders.from_df(df, procs=[Categorify, Normalize], cat_names=['c'], cont_names=['a', 'b'],
                                      y_names='y', y_block=CategoryBlock(), valid_idx=list(range(256, n)), bs=32, num_workers=0)
     return tabular_learner(dls, layers=[16, 8], n_out=2, loss_func=CrossEntropyLossFlat())
+
+def make_tabular_regression():
+    "A `y_range` regression: fastai ends the model with a scaled sigmoid"
+    g = torch.Generator().manual_seed(0)
+    n = 320
+    a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    cat = torch.randint(0, 4, (n,), generator=g)
+    df = pd.DataFrame(dict(a=a.numpy(), b=b.numpy(), c=[f'c{i}' for i in cat.tolist()],
+                           y=(2 + a - 0.5 * b + 0.3 * cat.float()).clamp(0, 5).numpy()))
+    dls = TabularDataLoaders.from_df(df, procs=[Categorify, Normalize], cat_names=['c'], cont_names=['a', 'b'],
+                                     y_names='y', y_block=RegressionBlock(), valid_idx=list(range(256, n)), bs=32, num_workers=0)
+    return tabular_learner(dls, layers=[16, 8], n_out=1, y_range=(0, 5.5))
 
 def ratings():
     g = torch.Generator().manual_seed(0)
@@ -149,6 +161,7 @@ FAMILIES = [
     ('awd_lstm_lm', make_awd_lm, 3, 1e-2, 0.15, 0.9),
     ('awd_lstm_classifier', make_awd_classifier, 3, 1e-2, 0.15, 0.8),
     ('tabular', make_tabular, 3, 1e-2, 0.15, 0.9),
+    ('tabular_y_range', make_tabular_regression, 3, 1e-2, 0.15, 0.9),
     ('collab_dot', make_collab(False), 3, 3e-2, 0.15, 0.9),
     ('collab_nn', make_collab(True), 3, 1e-2, 0.15, 0.8),
     ('transformer', make_transformer, 3, 1e-3, 0.15, 0.9),
