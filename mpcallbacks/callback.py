@@ -91,7 +91,7 @@ def before_batch(self:MasterMixedPrecision):
     "The model rests; agree on `requires_grad` between the 16-bit copies and the masters, whichever side changed it"
     if (fit := self.fit_state) is None: return
     fit.rest()
-    fit.in_batch = True
+    fit.begin_batch()
     if self.training: fit.sync_requires_grad()
 
 # %% ../nbs/03_callback.ipynb #4c7f4e5f
@@ -178,7 +178,7 @@ def after_cancel_batch(self:MasterMixedPrecision):
 def after_batch(self:MasterMixedPrecision):
     "The model rests (in validation, only after the last batch)"
     if (fit := self.fit_state) is None: return
-    fit.in_batch = False
+    fit.end_batch()
     if self.training or self.iter >= getattr(self.learn, 'n_iter', 0) - 1: fit.rest()
 
 # %% ../nbs/03_callback.ipynb #fcd0e7bf

@@ -197,6 +197,7 @@ class ModelCast:
     dtype:torch.dtype = torch.float16
     cast:bool = True # Whether the model is cast: its dtype hooks in, and the 16-bit copies in it (or `resting`)
     resting:bool = False # Whether the FP32 originals stand in for the copies until the next forward (`rest`)
+    rest_after_forward:bool = False # Whether the model rests again as soon as its forward returns (its owner's setting)
 
     @property
     def pairs(self) -> list: # A `CastPair` per swapped parameter, in model order
@@ -263,16 +264,26 @@ def wake(self:ModelCast) -> None:
 # %% ../nbs/00_cast.ipynb #23cd9751
 @patch
 def uncast(self:ModelCast) -> None:
-    "Put the FP32 originals in the model, without the dtype hooks (`recast` returns to the state before, resting or not)"
+    "Put the FP32 originals in the model, with no hook of ours: it pickles as a plain model (`recast` returns to the state before)"
+    self._disarm()
+    self._unhook_state_dicts()
+
+@patch
+def _disarm(self:ModelCast) -> None:
     self._put('original') # even when not `cast`: a recast interrupted after its swap has put the copies in
     for h in self.hooks: h.remove()
     self.hooks,self.cast = [],False
 
-# %% ../nbs/00_cast.ipynb #8be406e9
+# %% ../nbs/00_cast.ipynb #acaa7171
 @patch
 def recast(self:ModelCast) -> None:
-    "Arm the dtype hooks again, with the 16-bit copies re-synced from the originals and in the model (unless `resting`)"
+    "Arm the hooks again, with the 16-bit copies re-synced from the originals and in the model (unless `resting`)"
     if self.cast: return
+    self._hook_state_dicts()
+    self._resume()
+
+@patch
+def _resume(self:ModelCast) -> None:
     if not self.resting: self.sync_copies()
     self._swap_in()
 
@@ -297,8 +308,7 @@ def restore(self:ModelCast) -> None:
         for m in self.model.modules():
             for k,v in list(vars(m).items()):
                 if (id(m), k) not in self.attrs16 and k != '_flat_weights' and _has_16bit(v): setattr(m, k, _to(v, torch.float32))
-    for h in self.state_hooks: h.remove()
-    self.params,self.kept,self.model,self.state_hooks,self.resting = [],[],None,[],False
+    self.params,self.kept,self.model,self.resting = [],[],None,False
 
 # %% ../nbs/00_cast.ipynb #016591d5
 def _to(x, dtype):
@@ -314,18 +324,26 @@ def _to(x, dtype):
     return x
 
 def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
-    "Into `mc.hooks`: the hooks that wake the copies, cast the inputs of `cast_modules` and keep `mc.kept` in FP32"
+    "Into `mc.hooks`: the hooks that wake the copies and rest them, cast the inputs of `cast_modules` and keep `mc.kept` in FP32"
     model,dtype,into = mc.model,mc.dtype,mc.hooks
+    # Plain functions, and each acts on its own module only: `copy.deepcopy` of the model (an EMA) shares functions
+    # rather than copying them, so the copy gets hooks that do nothing, and is a plain model.
+    mine,kept = {id(m) for m in cast_modules},{id(m) for m in mc.kept}
     def woken(m, args):
-        if mc.resting: mc.wake()
+        if m is model and mc.resting: mc.wake()
+    def rested(m, args, out):
+        if m is model and mc.rest_after_forward: mc.rest()
     def to_16(m, args, kwargs):
+        if id(m) not in mine: return None
         if mc.resting: mc.wake() # also for a sub-model called directly (a GAN's critic, from the loss)
         return _to(args, dtype),_to(kwargs, dtype)
-    def in_32(m, args, kwargs): return _to(args, torch.float32),_to(kwargs, torch.float32)
-    def out_16(m, args, out): return _to(out, dtype)
+    def in_32(m, args, kwargs): return (_to(args, torch.float32),_to(kwargs, torch.float32)) if id(m) in kept else None
+    def out_16(m, args, out): return _to(out, dtype) if id(m) in kept else None
     # Each handle goes into `into` as soon as it exists, so an interrupt part way leaves none unaccounted for. The
     # copies go in before any hook of the module's own runs (`weight_norm`'s computes the weight from them).
-    if model is not None and not any(m is model for m in cast_modules): into.append(model.register_forward_pre_hook(woken, prepend=True))
+    if model is not None:
+        into.append(model.register_forward_pre_hook(woken, prepend=True))
+        into.append(model.register_forward_hook(rested))
     for m in cast_modules: into.append(m.register_forward_pre_hook(to_16, with_kwargs=True, prepend=True))
     for m in mc.kept:
         if isinstance(m, norms_taking_16bit_input): continue
@@ -339,15 +357,20 @@ def _hook_state_dicts(self:ModelCast) -> None:
     # Public from torch 2.5; before, the private ones take the same hooks (`with_module=True`: the module comes first)
     post_hook = getattr(m, 'register_state_dict_post_hook', None) or m._register_state_dict_hook
     pre_load = getattr(m, 'register_load_state_dict_pre_hook', None) or partial(m._register_load_state_dict_pre_hook, with_module=True)
-    # torch marks its hooks with an attribute, which a bound method cannot take: partials can
-    self.state_hooks = [post_hook(partial(ModelCast._fp32_state, self)),
-                        pre_load(partial(ModelCast._before_load, self)),
-                        m.register_load_state_dict_post_hook(partial(ModelCast._after_load, self))]
+    # Plain functions, as for the forward hooks: torch marks its hooks with an attribute (a bound method takes none),
+    # and a deep copy of the model shares them, where they do nothing (each checks that the module is this one)
+    self.state_hooks = [post_hook(lambda *a: self._fp32_state(*a)), pre_load(lambda *a: self._before_load(*a)),
+                        m.register_load_state_dict_post_hook(lambda *a: self._after_load(*a))]
+
+@patch
+def _unhook_state_dicts(self:ModelCast) -> None:
+    for h in self.state_hooks: h.remove()
+    self.state_hooks = []
 
 @patch
 def _fp32_state(self:ModelCast, module, state_dict, prefix, local_metadata):
     "While cast, the model's state dict holds the FP32 originals"
-    if not self.cast: return
+    if module is not self.model or not self.cast: return
     for s in self.params:
         k = prefix + s.key
         if k in state_dict: state_dict[k] = s.original if isinstance(state_dict[k], nn.Parameter) else s.original.detach()
@@ -355,12 +378,12 @@ def _fp32_state(self:ModelCast, module, state_dict, prefix, local_metadata):
 @patch
 def _before_load(self:ModelCast, module, *args):
     "While cast, loading writes into the FP32 originals"
-    self._reload = self.cast
-    if self._reload: self.uncast()
+    self._reload = module is self.model and self.cast
+    if self._reload: self._disarm() # the state-dict hooks stay: torch is running them
 
 @patch
 def _after_load(self:ModelCast, module, incompatible_keys):
-    if getattr(self, '_reload', False): self.recast()
+    if getattr(self, '_reload', False) and module is self.model: self._resume()
     self._reload = False
 
 # %% ../nbs/00_cast.ipynb #ea7fc672

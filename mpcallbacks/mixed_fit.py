@@ -27,7 +27,6 @@ class MixedFit:
         keep:tuple, # Types and name patterns of modules that stay in FP32
     ):
         self.learn,self.cast = learn,cast_model(learn.model, dtype, keep)
-        self._rest_hook = None
         try:
             self.masters,self.ranks = self.master_type(self.cast.pairs),RankAgreement()
             self.masters.copy_back = not self.rests # a resting model re-syncs its copies at the next forward
@@ -35,12 +34,10 @@ class MixedFit:
             originals = {id(c.copy):c.original for c in self.cast.pairs}
             self.fp32_model_params = [originals.get(id(p), p) for p in learn.model.parameters()]
             self.requires_grad = [c.original.requires_grad for c in self.cast.pairs] # as last agreed by each copy and its master
-            self.in_batch = False # from `before_batch` to `after_batch`: the batch's own forward and backward keep the copies in
-            if self.rests: self._rest_hook = self.cast.model.register_forward_hook(self._after_forward)
+            self.end_batch()
             # DDP (`DistributedTrainer`, at `before_fit`) registers the parameters it finds: they must be the copies
             if not (torch.distributed.is_available() and torch.distributed.is_initialized()): self.rest()
         except BaseException: # nothing of a fit that did not start stays behind (an interrupt, masters it cannot build)
-            if self._rest_hook is not None: self._rest_hook.remove()
             self.cast.restore()
             raise
         self._show_fp32_parameters()
@@ -66,11 +63,19 @@ def rest(self:MixedFit) -> None:
     "Put the FP32 masters in the model until its next forward (a no-op for masters that are no FP32 tensors between steps)"
     if self.rests: self.cast.rest()
 
+# %% ../nbs/03a_mixed_fit.ipynb #51147a38
 @patch
-def _after_forward(self:MixedFit, model, args, out):
-    if not self.in_batch: self.rest() # a forward outside a batch (samples drawn at the end of an epoch): rest right away
+def begin_batch(self:MixedFit) -> None:
+    "The batch's own forward and backward keep the copies in, until `rest`"
+    self.cast.rest_after_forward = False
 
-# %% ../nbs/03a_mixed_fit.ipynb #ea977cda
+# %% ../nbs/03a_mixed_fit.ipynb #8632b4b7
+@patch
+def end_batch(self:MixedFit) -> None:
+    "Outside a batch, a forward (samples drawn at the end of an epoch) puts the model to rest again when it returns"
+    self.cast.rest_after_forward = self.rests
+
+# %% ../nbs/03a_mixed_fit.ipynb #c40fa4ee
 @patch
 def sync_requires_grad(self:MixedFit) -> None:
     "Give each copy and its master the `requires_grad` of whichever side changed it since they last agreed"
@@ -81,7 +86,7 @@ def sync_requires_grad(self:MixedFit) -> None:
             else: c.copy.requires_grad_(b)                               # the optimizer's side changed (freeze)
         self.requires_grad[i] = c.copy.requires_grad
 
-# %% ../nbs/03a_mixed_fit.ipynb #3f805b5b
+# %% ../nbs/03a_mixed_fit.ipynb #3aeeb2e5
 @patch
 def start_training(self:MixedFit) -> None:
     "Follow `freeze`/`unfreeze` and a new optimizer; under DDP, start every rank from rank 0's masters"
@@ -98,7 +103,7 @@ def start_training(self:MixedFit) -> None:
     self.masters.set_fp32_grads(not ddp_wrapped(self.learn.model))
     self.ranks.start_training(self.learn.model, self.cast)
 
-# %% ../nbs/03a_mixed_fit.ipynb #3ce43244
+# %% ../nbs/03a_mixed_fit.ipynb #9129f16c
 @contextmanager
 def _fp32_block(fit:MixedFit):
     if not fit.cast.cast:
@@ -116,7 +121,7 @@ def fp32(self:MixedFit): # A context manager
     "The FP32 model, and the learner's own `parameters`, for the length of a `with` block"
     return _fp32_block(self)
 
-# %% ../nbs/03a_mixed_fit.ipynb #fdaf9fbf
+# %% ../nbs/03a_mixed_fit.ipynb #86218214
 @patch
 def weights_note(self:MixedFit) -> str: # A sentence for an error message
     "Whether the FP32 weights are the last good ones, or themselves non-finite (one host sync, at the end of a fit)"
@@ -126,15 +131,14 @@ def weights_note(self:MixedFit) -> str: # A sentence for an error message
     return ("Some weights are themselves inf or NaN, which no step of mixed precision wrote (they were loaded, or written "
             "by hand): load a good checkpoint.")
 
-# %% ../nbs/03a_mixed_fit.ipynb #2ce14e9f
+# %% ../nbs/03a_mixed_fit.ipynb #7f6c8fac
 @patch
 def close(self:MixedFit) -> None:
     "Put the FP32 model back for good, equal to the masters"
     self.sync_requires_grad()
     self.masters.set_fp32_grads(False)
     self._hide_fp32_parameters()
-    if self._rest_hook is not None: self._rest_hook.remove()
     self.cast.restore()
 
-# %% ../nbs/03a_mixed_fit.ipynb #b8d8db67
+# %% ../nbs/03a_mixed_fit.ipynb #57fca569
 mixed_fits = {'fp32': MixedFit} # `masters` -> the per-fit class that builds them

@@ -255,3 +255,48 @@ def test_drift_check_catches_a_broken_copy_back(monkeypatch):
     monkeypatch.setattr(ModelCast, 'sync_copies', lambda self: None) # the copies never follow the stepped masters
     learn = synth_learner().to_mixed(check_drift=True)
     with pytest.raises(RuntimeError, match='differ from their FP32 masters'): learn.fit(1, 1e-2)
+
+def our_hooks(model) -> list:
+    "Every forward and state-dict hook a module of `model` holds, by type and name"
+    dicts = ('_forward_pre_hooks', '_forward_hooks', '_state_dict_hooks', '_load_state_dict_pre_hooks', '_load_state_dict_post_hooks')
+    return [f'{n}.{d}: {getattr(h, "__qualname__", type(h).__name__)}' for n, m in model.named_modules() for d in dicts for h in getattr(m, d).values()]
+
+def test_export_mid_fit_pickles_no_hook_of_ours_and_loads_without_mpcallbacks(tmp_path):
+    "An export in the middle of a fit pickles the plain FP32 model: no hook, and nothing that needs mpcallbacks to load"
+    import subprocess, sys
+    from test_with_fastai_callbacks import digits_block_learner
+    learn = digits_block_learner().to_mixed(torch.bfloat16)
+    learn.path = tmp_path
+    class ExportMidFit(Callback):
+        order, done = 90, False
+        def after_batch(self):
+            if self.training and self.iter == 2 and not self.done: self.done = True; self.learn.export('mid.pkl')
+    learn.fit(1, 1e-2, cbs=ExportMidFit())
+    code = ("import sys\nfrom fastai.learner import load_learner\nl = load_learner(sys.argv[1])\n"
+            "dicts = ('_forward_pre_hooks', '_forward_hooks', '_state_dict_hooks', '_load_state_dict_pre_hooks', '_load_state_dict_post_hooks')\n"
+            "print(sum(len(getattr(m, d)) for m in l.model.modules() for d in dicts), 'mpcallbacks' in sys.modules)")
+    r = subprocess.run([sys.executable, '-c', code, str(tmp_path/'mid.pkl')], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-2:] == ['0', 'False'], f"hooks left in the exported model, or mpcallbacks needed to load it: {r.stdout}"
+
+@pytest.mark.parametrize('event', ['before_fit', 'after_batch'])
+def test_a_deep_copy_of_the_model_during_a_fit_is_a_plain_fp32_model(event):
+    "An EMA made with `copy.deepcopy(learn.model)` during the fit: FP32 weights equal to the masters, and it runs on its own"
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    class Copy(Callback):
+        order = MasterMixedPrecision.order + 1 # after ours: the model is cast
+        def _copy(self):
+            if hasattr(self, 'ema') or (event == 'after_batch' and not self.training): return
+            self.ema = copy.deepcopy(self.learn.model)
+            self.masters = [p.detach().clone() for p in self.learn.parameters()]
+        def after_epoch(self):
+            with torch.no_grad(): self.out = self.ema(self.dls.valid.one_batch()[0])
+    cb = Copy()
+    setattr(cb, event, cb._copy)
+    plain = synth_learner().to_mixed(torch.bfloat16)
+    learn.fit(1, 1e-2, cbs=cb)
+    plain.fit(1, 1e-2)
+    assert {p.dtype for p in cb.ema.parameters()} == {torch.float32} and cb.out.dtype == torch.float32
+    assert all(torch.equal(a.detach(), b) for a, b in zip(cb.ema.parameters(), cb.masters))
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(learn.model.parameters(), plain.model.parameters())) # the fit is unaffected
+    assert not our_hooks(learn.model)
