@@ -25,7 +25,7 @@ class MasterMixedPrecision(Callback):
         dtype:torch.dtype|str=torch.float16, # `torch.float16` or `torch.bfloat16`
         loss_scale:str|float|None='auto', # 'dynamic', a positive number (static) or None; 'auto': dynamic for float16, None for bfloat16
         keep_fp32:tuple=(), # More module types or name patterns to keep in FP32 (normalization layers always are)
-        check_drift:bool=False, # After each backward, check that the 16-bit weights it used equal the masters cast to 16 bits
+        check_drift:bool=False, # Before each step, check that the 16-bit weights the batch used equal the masters cast to 16 bits
         mixed_inference:bool=False, # `get_preds`/`validate`/`predict` outside a fit in 16 bits too; False: in FP32, as the exported learner
         masters:str='fp32', # 'fp32', or '16+16' (bfloat16 only): each master kept as its bfloat16 weight and low half, 4 bytes/param less
         **kwargs
@@ -132,7 +132,6 @@ def before_backward(self:MasterMixedPrecision):
 def after_backward(self:MasterMixedPrecision):
     "Note the backward pass in the gradient lifecycle, and whether DDP all-reduced it"
     if (fit := self.fit_state) is None: return
-    if self.check_drift: self._check_drift()
     fit.masters.backward()
     fit.ranks.after_backward(self.learn.model)
 
@@ -141,6 +140,7 @@ def after_backward(self:MasterMixedPrecision):
 def before_step(self:MasterMixedPrecision):
     "The model rests; move the gradients into the masters, unscale and check them in one pass: skip the step on inf/NaN"
     if (fit := self.fit_state) is None: return
+    if self.check_drift: self._check_drift()
     fit.rest()
     found_inf = fit.ranks.agree(fit.masters.unscale_(self.scaler.unscale_), fit.cast.device)
     if found_inf is None or not found_inf.item(): return
@@ -154,8 +154,10 @@ def before_step(self:MasterMixedPrecision):
 # %% ../nbs/03_callback.ipynb #9fbaa4c0
 @patch
 def after_cancel_step(self:MasterMixedPrecision):
-    "Drop the gradients of a step another callback cancelled, as fastai's `zero_grad` does"
-    if (fit := self.fit_state) is not None and fit.masters.phase is GradPhase.UNSCALED: fit.masters.skip()
+    "Drop the gradients of a step another callback cancelled (before or after ours), as fastai's `zero_grad` does"
+    if (fit := self.fit_state) is None: return
+    fit.rest()
+    if fit.masters.phase is not GradPhase.EMPTY: fit.masters.skip()
 
 # %% ../nbs/03_callback.ipynb #ce9b1cfc
 @patch
@@ -170,6 +172,7 @@ def after_step(self:MasterMixedPrecision):
 def after_cancel_batch(self:MasterMixedPrecision):
     "Keep a postponed batch's gradients, scaled, in FP32 for the next step (gradient accumulation); the model rests"
     if (fit := self.fit_state) is None: return
+    if self.check_drift: self._check_drift()
     fit.masters.cancel(self.scaler.scale, keep_in_model=fit.ranks.leave_to_ddp())
     fit.rest()
 
@@ -181,13 +184,38 @@ def after_batch(self:MasterMixedPrecision):
     fit.end_batch()
     if self.training or self.iter >= getattr(self.learn, 'n_iter', 0) - 1: fit.rest()
 
-# %% ../nbs/03_callback.ipynb #fcd0e7bf
+# %% ../nbs/03_callback.ipynb #62868d42
+@patch
+def after_cancel_validate(self:MasterMixedPrecision):
+    "The model rests at once"
+    self._end_batch_early()
+
+# %% ../nbs/03_callback.ipynb #37af1a92
+@patch
+def after_cancel_train(self:MasterMixedPrecision):
+    "The model rests at once"
+    self._end_batch_early()
+
+# %% ../nbs/03_callback.ipynb #48777da5
+@patch
+def after_cancel_epoch(self:MasterMixedPrecision):
+    "The model rests at once"
+    self._end_batch_early()
+
+# %% ../nbs/03_callback.ipynb #2d32a531
+@patch
+def _end_batch_early(self:MasterMixedPrecision):
+    if (fit := self.fit_state) is None: return
+    fit.end_batch()
+    fit.rest()
+
+# %% ../nbs/03_callback.ipynb #6f2506a8
 @patch
 def after_validate(self:MasterMixedPrecision):
-    "The model rests (a validation cancelled part way)"
+    "The model rests"
     if self.fit_state is not None: self.fit_state.rest()
 
-# %% ../nbs/03_callback.ipynb #960f91ac
+# %% ../nbs/03_callback.ipynb #c5e4516e
 @patch
 def _check_drift(self:MasterMixedPrecision):
     "Raise if a 16-bit weight differs from its master cast to 16 bits"
@@ -198,13 +226,13 @@ def _check_drift(self:MasterMixedPrecision):
                              "from the masters (the optimizer's parameters) would undo it. Write to the weights between "
                              "batches, where they are the masters.")
 
-# %% ../nbs/03_callback.ipynb #f887e1d7
+# %% ../nbs/03_callback.ipynb #5b796386
 @patch
 def fp32_model(self:MasterMixedPrecision): # A context manager
     "Within this context the model holds its FP32 parameters, even in the middle of a fit"
     return self.fit_state.fp32() if self.fit_state is not None else nullcontext()
 
-# %% ../nbs/03_callback.ipynb #03556b47
+# %% ../nbs/03_callback.ipynb #d9bbdea9
 @patch
 def plot_loss_scale(self:MasterMixedPrecision,
     ax=None, # Matplotlib axes to draw on; a new figure if None
@@ -224,7 +252,7 @@ def plot_loss_scale(self:MasterMixedPrecision,
     ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
     return ax
 
-# %% ../nbs/03_callback.ipynb #5a723e64
+# %% ../nbs/03_callback.ipynb #63ee5f8a
 from mpcallbacks import learner as _learner # noqa: F401 (`Learner.to_mixed` and the guards)
 from mpcallbacks.scaler import make_scaler # noqa: F401
 from mpcallbacks import split_masters as _split_masters # noqa: F401 (registers masters='16+16' in `mixed_fits`)

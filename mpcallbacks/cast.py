@@ -16,6 +16,7 @@ from functools import partial
 from typing import NamedTuple
 from torch.nn.utils.rnn import PackedSequence
 from torch.nn.utils import parametrizations
+from torch.nn.utils.parametrize import ParametrizationList
 import importlib
 from fastcore.basics import patch
 
@@ -197,7 +198,7 @@ class ModelCast:
     dtype:torch.dtype = torch.float16
     cast:bool = True # Whether the model is cast: its dtype hooks in, and the 16-bit copies in it (or `resting`)
     resting:bool = False # Whether the FP32 originals stand in for the copies until the next forward (`rest`)
-    rest_after_forward:bool = False # Whether the model rests again as soon as its forward returns (its owner's setting)
+    rest_after_forward:bool = False # Whether a forward is outside a batch (its owner's setting): FP32 out, and rest again
 
     @property
     def pairs(self) -> list: # A `CastPair` per swapped parameter, in model order
@@ -329,21 +330,31 @@ def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
     # Plain functions, and each acts on its own module only: `copy.deepcopy` of the model (an EMA) shares functions
     # rather than copying them, so the copy gets hooks that do nothing, and is a plain model.
     mine,kept = {id(m) for m in cast_modules},{id(m) for m in mc.kept}
+    # A parametrization runs when its weight is read (`layer.weight`, outside any forward too): it wakes nothing, and
+    # at rest it computes from the FP32 originals
+    waking = {id(m) for m in cast_modules if not isinstance(m, ParametrizationList)}
+    def wake_for(m):
+        mc.wake()
+        if not mc.rest_after_forward: return
+        h = None # a forward outside a batch (samples drawn at the end of an epoch): when this call returns, FP32 out and rest
+        def done(m_, args, out):
+            h.remove()
+            if not mc.rest_after_forward: return None # (left from a call that raised, and now inside a batch)
+            if not torch.is_grad_enabled(): mc.rest() # else a backward may follow: the copies stay in until the next batch
+            return _to(out, torch.float32)
+        h = m.register_forward_hook(done)
+        into.append(h)
     def woken(m, args):
-        if m is model and mc.resting: mc.wake()
-    def rested(m, args, out):
-        if m is model and mc.rest_after_forward: mc.rest()
+        if m is model and mc.resting: wake_for(m)
     def to_16(m, args, kwargs):
         if id(m) not in mine: return None
-        if mc.resting: mc.wake() # also for a sub-model called directly (a GAN's critic, from the loss)
+        if mc.resting and id(m) in waking: wake_for(m) # also for a sub-model called directly (a GAN's critic, from the loss)
         return _to(args, dtype),_to(kwargs, dtype)
     def in_32(m, args, kwargs): return (_to(args, torch.float32),_to(kwargs, torch.float32)) if id(m) in kept else None
     def out_16(m, args, out): return _to(out, dtype) if id(m) in kept else None
     # Each handle goes into `into` as soon as it exists, so an interrupt part way leaves none unaccounted for. The
     # copies go in before any hook of the module's own runs (`weight_norm`'s computes the weight from them).
-    if model is not None:
-        into.append(model.register_forward_pre_hook(woken, prepend=True))
-        into.append(model.register_forward_hook(rested))
+    if model is not None: into.append(model.register_forward_pre_hook(woken, prepend=True))
     for m in cast_modules: into.append(m.register_forward_pre_hook(to_16, with_kwargs=True, prepend=True))
     for m in mc.kept:
         if isinstance(m, norms_taking_16bit_input): continue

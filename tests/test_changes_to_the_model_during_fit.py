@@ -3,9 +3,11 @@
 
 Each test fits `synth_model` twice on the same seed, in FP32 and under `to_mixed()`, with the same callback."""
 import pytest, torch
-from fastai.basics import Callback, SGD, Adam
+from torch import nn
+from fastai.basics import Callback, SGD, Adam, CancelEpochException, CancelTrainException, CancelStepException
+from fastai.callback.training import ShortEpochCallback
 from mpcallbacks.test_utils import synth_learner
-from like_fp32 import fit_once, assert_like_fp32
+from like_fp32 import fit_once, assert_like_fp32, update_cosine
 
 BF16, FP16 = dict(dtype=torch.bfloat16), dict(dtype=torch.float16)
 CONV, BN, LIN = 0, 1, 4 # layers of synth_model: Conv2d, BatchNorm2d, ReLU, Flatten, Linear
@@ -166,3 +168,96 @@ def test_a_forward_between_batches_then_a_write_reaches_the_masters():
     mix = fit_once(make, BF16, 2, 1e-2, cbs=[SampleThenConstrain()])
     assert worst('clamp', ref.after[f'{LIN}.weight']) <= 0.02
     assert worst('clamp', mix.after[f'{LIN}.weight']) <= 0.02 * (1 + 1e-6)
+
+# ---- cancels, reads and calls between batches (found by review): the model rests, and the result is FP32's
+
+class StopAt(Callback):
+    "Raise `exc` from `after_pred` of the 4th training batch (a time budget)"
+    def __init__(self, exc): self.exc = exc
+    def after_pred(self):
+        if self.training and self.iter == 3: raise self.exc()
+
+class ClampLin(Callback):
+    "Clamp the linear layer's weight to 0.02 at `event`"
+    order = 50
+    def __init__(self, event): setattr(self, event, self._clamp)
+    def _clamp(self):
+        with torch.no_grad(): self.learn.model[LIN].weight.clamp_(-0.02, 0.02)
+
+@pytest.mark.parametrize('exc,event', [(CancelEpochException, 'after_epoch'), (CancelTrainException, 'after_train'),
+                                       (CancelTrainException, 'before_validate')], ids=['epoch', 'train', 'train-validate'])
+def test_a_write_after_a_phase_cancelled_mid_batch_reaches_the_masters(exc, event):
+    make = lambda: synth_learner(opt_func=Adam)
+    ref = fit_once(make, None, 1, 1e-2, cbs=[StopAt(exc), ClampLin(event)])
+    mix = fit_once(make, BF16, 1, 1e-2, cbs=[StopAt(exc), ClampLin(event)])
+    assert worst('clamp', ref.after[f'{LIN}.weight']) <= 0.02 * (1 + 1e-6)
+    assert worst('clamp', mix.after[f'{LIN}.weight']) <= 0.02 * (1 + 1e-6)
+
+def test_weights_swapped_for_a_validation_cut_short_are_put_back_into_the_masters():
+    "`ShortEpochCallback(short_valid=True)` cancels the validation from `after_batch`: the EMA swap still leaves the fit alone"
+    make = lambda: synth_learner(opt_func=Adam)
+    short = lambda: ShortEpochCallback(pct=0.4, short_valid=True)
+    mix = fit_once(make, BF16, 3, 1e-2, cbs=[SwapForValidation(), short()])
+    plain = fit_once(make, BF16, 3, 1e-2, cbs=[short()])
+    assert all(torch.equal(mix.after[n], plain.after[n]) for n in plain.after)
+
+def test_reading_a_parametrized_weight_between_batches_wakes_nothing():
+    "A parametrization runs when its weight is read; between batches it computes from the masters, and a write after it holds"
+    def make():
+        learn = synth_learner(opt_func=Adam)
+        learn.model[LIN] = nn.utils.parametrizations.weight_norm(learn.model[LIN])
+        return learn
+    class ReadThenCap(Callback):
+        order = 50
+        def after_step(self):
+            self.dtype = self.learn.model[LIN].weight.dtype # as a logger reads it
+            with torch.no_grad(): self.learn.model[LIN].parametrizations.weight.original0.clamp_(max=0.05)
+    cb32, cb16 = ReadThenCap(), ReadThenCap()
+    ref, mix = fit_once(make, None, 1, 1e-2, cbs=[cb32]), fit_once(make, BF16, 1, 1e-2, cbs=[cb16])
+    g = f'{LIN}.parametrizations.weight.original0'
+    assert ref.after[g].max() <= 0.05 and mix.after[g].max() <= 0.05, (ref.after[g].max(), mix.after[g].max())
+    assert cb16.dtype == torch.float32
+
+@pytest.mark.parametrize('call', ['model', 'layer'])
+def test_a_call_outside_a_batch_returns_fp32_and_a_write_after_it_holds(call):
+    class SampleThenClamp(Callback):
+        order = 50
+        def after_epoch(self):
+            x = self.learn.dls.valid.one_batch()[0]
+            with torch.no_grad(): out = self.learn.model(x) if call == 'model' else self.learn.model[CONV](x)
+            self.dtype, self.arr = out.dtype, out.float().numpy()
+            with torch.no_grad(): self.learn.model[LIN].weight.clamp_(-0.02, 0.02)
+    cb = SampleThenClamp()
+    mix = fit_once(lambda: synth_learner(opt_func=Adam), BF16, 2, 1e-2, cbs=[cb])
+    assert cb.dtype == torch.float32
+    assert worst('clamp', mix.after[f'{LIN}.weight']) <= 0.02 * (1 + 1e-6)
+
+def test_a_backward_outside_a_batch_fills_the_models_gradients_and_leaves_training_alone():
+    "A diagnostic at the end of each epoch: forward, backward, read the gradients, zero them"
+    class GradNorms(Callback):
+        order = 50
+        def after_epoch(self):
+            x, y = self.learn.dls.valid.one_batch()
+            self.learn.model.zero_grad()
+            self.learn.loss_func(self.learn.model(x), y).backward()
+            self.norms = [None if p.grad is None else p.grad.float().norm().item() for p in self.learn.model.parameters()]
+            self.learn.model.zero_grad()
+    cb = GradNorms()
+    make = lambda: synth_learner(opt_func=SGD)
+    mix = fit_once(make, BF16, 2, 1e-1, cbs=[cb])
+    plain = fit_once(make, BF16, 2, 1e-1)
+    assert None not in cb.norms and all(n > 0 for n in cb.norms), cb.norms
+    assert all(torch.equal(mix.after[n], plain.after[n]) for n in plain.after)
+
+def test_a_step_cancelled_before_ours_drops_its_gradients_as_fp32_does():
+    "fastai zeroes the gradients after a cancelled step: the next step must not add them up"
+    class SkipOddSteps(Callback):
+        order = 0
+        def before_step(self):
+            if self.iter % 2 == 1: raise CancelStepException()
+    make = lambda: synth_learner(opt_func=SGD)
+    ref = fit_once(make, None, 1, 1e-1, cbs=[SkipOddSteps()])
+    mix = fit_once(make, BF16, 1, 1e-1, cbs=[SkipOddSteps()])
+    norm = lambda r: sum((r.after[n] - r.before[n]).norm()**2 for n in r.after)**.5
+    assert abs(norm(mix) / norm(ref) - 1) < 0.02, (norm(mix), norm(ref)) # adding up the dropped gradients: 1.7x
+    assert update_cosine(ref, mix) > 0.99
