@@ -72,7 +72,7 @@ def begin_batch(self:MixedFit) -> None:
 # %% ../nbs/03a_mixed_fit.ipynb #8632b4b7
 @patch
 def end_batch(self:MixedFit) -> None:
-    "Outside a batch, a forward (samples drawn at the end of an epoch) puts the model to rest again when it returns"
+    "Outside a batch, a forward (samples drawn at the end of an epoch) returns FP32 output and, without gradients, rests again"
     self.cast.rest_after_forward = self.rests
 
 # %% ../nbs/03a_mixed_fit.ipynb #c40fa4ee
