@@ -11,7 +11,7 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn, Tensor
 from torch.nn.modules.batchnorm import _NormBase
-import copy, warnings
+import copy, logging, warnings
 from functools import partial
 from typing import NamedTuple
 from torch.nn.utils.rnn import PackedSequence
@@ -324,11 +324,19 @@ def _to(x, dtype):
         return res
     return x
 
+class _OwnHook:
+    "A hook of ours. Copied (`copy.deepcopy` of the model, for an EMA) or pickled, it becomes a no-op of the standard library"
+    def __init__(self, fn): self.fn = fn
+    def __call__(self, *args): return self.fn(*args)
+    # `logging`'s debug of a logger nobody enables: takes any arguments, returns None, and pickles by name, so a copy
+    # carries nothing of the fit and loads without mpcallbacks
+    def __reduce__(self): return (getattr, (logging.getLogger('mpcallbacks.inert_hook'), 'debug'))
+
 def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
     "Into `mc.hooks`: the hooks that wake the copies and rest them, cast the inputs of `cast_modules` and keep `mc.kept` in FP32"
     model,dtype,into = mc.model,mc.dtype,mc.hooks
-    # Plain functions, and each acts on its own module only: `copy.deepcopy` of the model (an EMA) shares functions
-    # rather than copying them, so the copy gets hooks that do nothing, and is a plain model.
+    # Each acts on its own module only, and a deep copy of the model (an EMA) gets no-ops instead (`_OwnHook`): the
+    # copy is a plain model, which pickles and loads without mpcallbacks.
     mine,kept = {id(m) for m in cast_modules},{id(m) for m in mc.kept}
     # A parametrization runs when its weight is read (`layer.weight`, outside any forward too): it wakes nothing, and
     # at rest it computes from the FP32 originals
@@ -342,7 +350,7 @@ def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
             if not mc.rest_after_forward: return None # (left from a call that raised, and now inside a batch)
             if not torch.is_grad_enabled(): mc.rest() # else a backward may follow: the copies stay in until the next batch
             return _to(out, torch.float32)
-        h = m.register_forward_hook(done)
+        h = m.register_forward_hook(_OwnHook(done))
         into.append(h)
     def woken(m, args):
         if m is model and mc.resting: wake_for(m)
@@ -354,12 +362,12 @@ def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
     def out_16(m, args, out): return _to(out, dtype) if id(m) in kept else None
     # Each handle goes into `into` as soon as it exists, so an interrupt part way leaves none unaccounted for. The
     # copies go in before any hook of the module's own runs (`weight_norm`'s computes the weight from them).
-    if model is not None: into.append(model.register_forward_pre_hook(woken, prepend=True))
-    for m in cast_modules: into.append(m.register_forward_pre_hook(to_16, with_kwargs=True, prepend=True))
+    if model is not None: into.append(model.register_forward_pre_hook(_OwnHook(woken), prepend=True))
+    for m in cast_modules: into.append(m.register_forward_pre_hook(_OwnHook(to_16), with_kwargs=True, prepend=True))
     for m in mc.kept:
         if isinstance(m, norms_taking_16bit_input): continue
-        into.append(m.register_forward_pre_hook(in_32, with_kwargs=True))
-        into.append(m.register_forward_hook(out_16))
+        into.append(m.register_forward_pre_hook(_OwnHook(in_32), with_kwargs=True))
+        into.append(m.register_forward_hook(_OwnHook(out_16)))
 
 # %% ../nbs/00_cast.ipynb #7b3aca00
 @patch
@@ -368,10 +376,10 @@ def _hook_state_dicts(self:ModelCast) -> None:
     # Public from torch 2.5; before, the private ones take the same hooks (`with_module=True`: the module comes first)
     post_hook = getattr(m, 'register_state_dict_post_hook', None) or m._register_state_dict_hook
     pre_load = getattr(m, 'register_load_state_dict_pre_hook', None) or partial(m._register_load_state_dict_pre_hook, with_module=True)
-    # Plain functions, as for the forward hooks: torch marks its hooks with an attribute (a bound method takes none),
-    # and a deep copy of the model shares them, where they do nothing (each checks that the module is this one)
-    self.state_hooks = [post_hook(lambda *a: self._fp32_state(*a)), pre_load(lambda *a: self._before_load(*a)),
-                        m.register_load_state_dict_post_hook(lambda *a: self._after_load(*a))]
+    # `_OwnHook`s, as for the forward hooks: torch marks its hooks with an attribute (a bound method takes none), and a
+    # copy of the model gets no-ops (a shallow copy shares them, where they do nothing: each checks its module)
+    self.state_hooks = [post_hook(_OwnHook(self._fp32_state)), pre_load(_OwnHook(self._before_load)),
+                        m.register_load_state_dict_post_hook(_OwnHook(self._after_load))]
 
 @patch
 def _unhook_state_dicts(self:ModelCast) -> None:

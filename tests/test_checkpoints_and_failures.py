@@ -300,3 +300,6 @@ def test_a_deep_copy_of_the_model_during_a_fit_is_a_plain_fp32_model(event):
     assert all(torch.equal(a.detach(), b) for a, b in zip(cb.ema.parameters(), cb.masters))
     assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(learn.model.parameters(), plain.model.parameters())) # the fit is unaffected
     assert not our_hooks(learn.model)
+    again = pickle.loads(pickle.dumps(cb.ema)) # as `torch.save(ema)` or `learn.export` of a learner that keeps it
+    x = learn.dls.valid.one_batch()[0]
+    with torch.no_grad(): assert torch.equal(again(x), cb.ema(x))
