@@ -347,6 +347,7 @@ def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
         h = None # a forward outside a batch (samples drawn at the end of an epoch): when this call returns, FP32 out and rest
         def done(m_, args, out):
             h.remove()
+            if h in into: into.remove(h) # one handle per such call: none piles up over a fit
             if not mc.rest_after_forward: return None # (left from a call that raised, and now inside a batch)
             if not torch.is_grad_enabled(): mc.rest() # else a backward may follow: the copies stay in until the next batch
             return _to(out, torch.float32)
