@@ -12,7 +12,7 @@ import torch
 from torch import nn, Tensor
 from torch.nn.modules.batchnorm import _NormBase
 import copy, logging, warnings
-from functools import partial
+from functools import partial, cached_property
 from typing import NamedTuple
 from torch.nn.utils.rnn import PackedSequence
 from torch.nn.utils import parametrizations
@@ -203,7 +203,13 @@ class ModelCast:
     @property
     def pairs(self) -> list: # A `CastPair` per swapped parameter, in model order
         "Each swapped parameter once, tied weights included once"
-        return list({id(s.copy):CastPair(s.copy, s.original) for s in self.params}.values())
+        return list(self._lists[0])
+
+    @cached_property
+    def _lists(self) -> tuple: # once per cast (the slots are fixed until `restore`): pairs, copies, originals, RNNs
+        pairs = list({id(s.copy):CastPair(s.copy, s.original) for s in self.params}.values())
+        rnns = [m for m in {id(s.module):s.module for s in self.params}.values() if hasattr(m, '_init_flat_weights')]
+        return pairs,[c.copy for c in pairs],[c.original for c in pairs],rnns
 
     @property
     def device(self) -> torch.device: # Where the first cast tensor lives
@@ -223,8 +229,7 @@ def _put(self:ModelCast, side:str) -> None:
         for d,n,t in reversed(done): d[n] = t
         raise
     finally: # RNNs cache a list of their weights, which setting `_parameters` directly leaves stale
-        for m in {id(s.module):s.module for s in self.params}.values():
-            if hasattr(m, '_init_flat_weights'): m._init_flat_weights()
+        for m in self._lists[3]: m._init_flat_weights()
 
 @patch
 def copies_differ(self:ModelCast,
@@ -239,9 +244,9 @@ def copies_differ(self:ModelCast,
 @patch
 def sync_copies(self:ModelCast) -> None:
     "Copy the originals' values into the 16-bit copies"
-    pairs = self.pairs
-    if not pairs: return
-    with torch.no_grad(): torch._foreach_copy_([s.copy for s in pairs], [s.original for s in pairs])
+    _,copies,originals,_ = self._lists
+    if copies:
+        with torch.no_grad(): torch._foreach_copy_(copies, originals)
 
 # %% ../nbs/00_cast.ipynb #007ee08a
 @patch
@@ -256,7 +261,7 @@ def rest(self:ModelCast) -> None:
 def wake(self:ModelCast) -> None:
     "Put the copies in again, re-synced from the originals (values and `requires_grad`): what the next forward calls"
     if not (self.cast and self.resting): return
-    for c in self.pairs:
+    for c in self._lists[0]:
         if c.copy.requires_grad != c.original.requires_grad: c.copy.requires_grad_(c.original.requires_grad)
     self.sync_copies()
     self._put('copy')
@@ -310,6 +315,7 @@ def restore(self:ModelCast) -> None:
             for k,v in list(vars(m).items()):
                 if (id(m), k) not in self.attrs16 and k != '_flat_weights' and _has_16bit(v): setattr(m, k, _to(v, torch.float32))
     self.params,self.kept,self.model,self.resting = [],[],None,False
+    self.__dict__.pop('_lists', None)
 
 # %% ../nbs/00_cast.ipynb #016591d5
 def _to(x, dtype):
