@@ -85,14 +85,15 @@ def before_train(self:MasterMixedPrecision):
     fit.start_training()
     fit.rest()
 
-# %% ../nbs/03_callback.ipynb #8bc10909
+# %% ../nbs/03_callback.ipynb #dd6afcb5
 @patch
 def before_batch(self:MasterMixedPrecision):
-    "The model rests; agree on `requires_grad` between the 16-bit copies and the masters, whichever side changed it"
+    "In training the model rests and each copy and its master agree on `requires_grad`, whichever side changed it"
     if (fit := self.fit_state) is None: return
-    fit.rest()
+    if self.training: # (validation keeps the copies in from its first batch to its last)
+        fit.rest()
+        fit.sync_requires_grad()
     fit.begin_batch()
-    if self.training: fit.sync_requires_grad()
 
 # %% ../nbs/03_callback.ipynb #4c7f4e5f
 @patch

@@ -252,3 +252,17 @@ def test_loss_scale_defaults_by_dtype():
     assert not learn.master_mixed_precision.scaler.dynamic
     assert learn.to_mixed(torch.bfloat16, loss_scale='dynamic').master_mixed_precision.scaler.dynamic
     assert isinstance(learn.master_mixed_precision.loss_scale, float) and isinstance(learn.master_mixed_precision.skipped, int)
+
+def test_the_copies_are_re_synced_once_per_training_batch_and_once_per_validation(monkeypatch):
+    "The masters -> copies copy is the cost of a resting model: once per step, and once for a whole validation pass"
+    from mpcallbacks.cast import ModelCast
+    from mpcallbacks.test_utils import synth_dls
+    calls, sync = [0], ModelCast.sync_copies
+    def counted(self):
+        calls[0] += 1
+        return sync(self)
+    monkeypatch.setattr(ModelCast, 'sync_copies', counted)
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    learn.dls = synth_dls(bs=16) # 16 training batches, 4 validation batches
+    learn.fit(2, 1e-2)
+    assert calls[0] == 2 * (len(learn.dls.train) + 1), (calls[0], len(learn.dls.train), len(learn.dls.valid))
