@@ -6,7 +6,7 @@ FP32's (mean of the last batches), the model after fit is all FP32, the paramete
 and the total weight update points the way FP32's does (cosine)."""
 import pandas as pd, pytest, torch
 from torch import nn
-from fastai.basics import Learner, DataLoaders, CrossEntropyLossFlat, Adam
+from fastai.basics import Learner, Callback, DataLoaders, CrossEntropyLossFlat, Adam
 from fastai.vision.all import vision_learner, unet_learner, resnet18, xresnet18, TensorImage, TensorMask
 from fastai.vision.gan import GANLearner, basic_generator, basic_critic, InvisibleTensor
 from fastai.text.all import (AWD_LSTM, get_language_model, get_text_classifier, TextLearner, awd_lstm_lm_split,
@@ -35,6 +35,10 @@ def images(n=96, size=32, c=3):
 def make_resnet():
     x, y = images()
     return vision_learner(tensor_dls(x, y, 64), resnet18, pretrained=False, n_out=2, loss_func=CrossEntropyLossFlat())
+
+def make_resnet_channels_last():
+    "fastai's `ChannelsLast` callback (without its AMP: `to_mixed` is the mixed precision) turns the model channels-last at `before_fit`"
+    return make_resnet().to_channelslast(use_amp=False)
 
 def make_xresnet():
     x, y = images()
@@ -156,6 +160,7 @@ def make_wgan(clip=0.01):
 # by the untouched-parameter check instead.
 FAMILIES = [
     ('resnet18', make_resnet, 2, 1e-3, 0.15, 0.5),
+    ('resnet18_channels_last', make_resnet_channels_last, 2, 1e-3, 0.15, 0.5),
     ('xresnet18', make_xresnet, 2, 1e-3, 0.15, 0.8),
     ('unet', make_unet, 2, 1e-3, 0.15, 0.4),
     ('awd_lstm_lm', make_awd_lm, 3, 1e-2, 0.15, 0.9),
@@ -177,6 +182,21 @@ def test_family_trains_as_in_fp32(name, make, epochs, lr, rtol, cos_min):
     mix = fit_once(make, BF16, epochs, lr)
     if name == 'wgan': assert_gan_like_fp32(ref, mix, clip=0.01, lr=lr, cos_min=cos_min)
     else: assert_like_fp32(ref, mix, loss_rtol=rtol, cos_min=cos_min)
+
+class ConvWeightFormat(Callback):
+    "The first conv weight's dtype and whether it is channels-last, as the forward of each training batch sees it"
+    def __init__(self): self.seen = []
+    def after_pred(self):
+        w = self.learn.model[0][0].weight
+        if self.training: self.seen.append((w.dtype, w.is_contiguous(memory_format=torch.channels_last)))
+
+def test_channels_last_copies_and_masters_keep_the_memory_format():
+    "The 16-bit copies the forward uses are channels-last, as are the FP32 masters the fit leaves, as in FP32 with `ChannelsLast`"
+    look = ConvWeightFormat()
+    mix = fit_once(make_resnet_channels_last, BF16, 1, 1e-3, cbs=[look])
+    assert look.seen and set(look.seen) == {(torch.bfloat16, True)}, look.seen
+    w = mix.learn.model[0][0].weight
+    assert w.dtype == torch.float32 and w.is_contiguous(memory_format=torch.channels_last)
 
 # ---- GANs: WGAN's loss does not fall like a supervised loss; what must hold is that both nets train like FP32's and the
 # clip holds on the FP32 critic
