@@ -10,6 +10,7 @@ from .step import run_whole_step, run_bookkeeping_bound_fit
 from .memory import run_memory
 from .syncs import run_syncs
 from .cuda_throughput import run_cuda_throughput
+from .norms import run_norms
 from . import plots
 
 results_dir = Path(__file__).resolve().parent / 'results'
@@ -121,6 +122,23 @@ def cuda_section(rows:list|None) -> str:
     body = [[r['arch'], r['config'], r['bs'], f"{r['images_per_s']:.0f}", r['largest_batch']] for r in rows]
     return '### 5. CUDA throughput, 224 px synthetic data\n\n' + md_table(cols, body)
 
+def norms_section(r:dict) -> str:
+    fp32,ln32,ln16 = (r['ms'][c] for c in r['ms'])
+    c32,c16 = list(r['ms'])[1:]
+    rows = [[c, r['ln'][c], f"{ms:.1f}", _x(ms / fp32)] for c,ms in r['ms'].items()]
+    speed = md_table(['config', 'LayerNorm weight in forward', 'ms per training step', '/ FP32'], rows)
+    def worst(dt, c):
+        res = r['acc'][dt][c]
+        return (f"{max(abs(d) for d,_ in res):.2%}", f"{min(cos for _,cos in res):.5f}")
+    acc = md_table(['dtype', 'config', 'final loss vs FP32: largest relative difference over 3 seeds', 'update cosine with FP32: lowest'],
+                   [[dt, c, *worst(dt, c)] for dt in r['acc'] for c in (c32, c16)])
+    return ('### 6. Normalization layers in FP32 (issue 12): LayerNorm kept FP32 against LayerNorm cast to 16 bits\n\n'
+            f"Speed: {r['model']}; {r['rounds']} rounds of short fits ({r['steps']} training steps, the first {r['skip']} not "
+            'timed), the configs taking turns. Kept in FP32, each LayerNorm computes in FP32 on its input cast up and hands its output '
+            'back in 16 bits.\n\n' + speed + f"\n\nLayerNorm FP32 / LayerNorm 16-bit: **{_x(ln32 / ln16)}** per step.\n\n"
+            "Closeness to FP32: the tests' small transformer (d=32, 2 layers, 3 epochs), 3 seeds, each mixed fit against FP32's on "
+            'the same seed.\n\n' + acc)
+
 def targets(book:list, step:list, bound:dict, syncs:list) -> list:
     "(target, measured, met) for each of the issue's targets"
     r18,many = book
@@ -197,6 +215,7 @@ def main():
     emit(syncs_section(syncs))
     cuda = run_cuda_throughput(device) if device.type == 'cuda' else None
     emit(cuda_section(cuda))
+    emit(norms_section(run_norms(device, rounds=3 if args.quick else 7)))
     tgt = targets(book, step, bound, syncs)
     emit('### Targets (issue 4)\n\n' + md_table(['target', 'measured', 'met'], [[t, m, '-' if ok is None else 'yes' if ok else '**no**'] for t,m,ok in tgt]))
     pngs = [plots.plot_bookkeeping(book, results_dir), plots.plot_whole_step(step, bound, results_dir),
