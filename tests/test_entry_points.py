@@ -1,6 +1,6 @@
 "Every entry point that runs `before_fit`/`after_fit` (validate, get_preds, predict, tta, `with learn:`, one_batch) keeps the guarantee `fit` has."
 import pytest, torch
-from fastai.basics import Learner, CrossEntropyLossFlat, accuracy
+from fastai.basics import Learner, CrossEntropyLossFlat, accuracy, set_seed, Callback
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.progress import ProgressCallback
 from fastai.data.block import DataBlock, TransformBlock, CategoryBlock
@@ -114,4 +114,34 @@ def test_one_batch_outside_fit_behaves_like_fp32(how):
     clear = err is not None and not isinstance(err, AttributeError) and 'one_batch' in str(err)
     assert same or clear, f"FP32: {err32!r}, moved {moved32}; mixed: {err!r}, moved {moved}"
     learn.add_cbs([c for c in cbs if c not in learn.cbs])
+    assert_fp32_and_intact(learn, hooks)
+
+# ---- inference called by a callback in the middle of a fit (a test-set metric at `after_train`)
+
+class PredictMidFit(Callback):
+    "Calls `how` on the learner after each training phase, and records the predictions' dtype"
+    order = 50
+    def __init__(self, how): self.how,self.dtypes = how,[]
+    def after_train(self):
+        dl = self.dls.valid
+        if self.how == 'get_preds(inner=True)': p,_ = self.learn.get_preds(dl=dl, inner=True)
+        elif self.how == 'get_preds': p,_ = self.learn.get_preds(dl=dl) # fires a nested before_fit/after_fit
+        else: p = torch.tensor(self.learn.validate(dl=dl))
+        self.dtypes.append(p.dtype)
+
+@pytest.mark.parametrize('how', ['get_preds(inner=True)', 'get_preds', 'validate'])
+def test_inference_called_mid_fit_leaves_the_fit_as_without_it(how):
+    "The nested call neither ends the outer fit's mixed precision nor changes what it trains: the weights are bit-identical"
+    def fit(cbs):
+        set_seed(0)
+        learn = synth_learner().to_mixed(torch.bfloat16)
+        hooks = hook_ids(learn.model)
+        run_or_timeout(learn.fit, 3, 1e-2, cbs=cbs)
+        return learn, hooks
+    plain,_ = fit([])
+    look = PredictMidFit(how)
+    learn, hooks = fit([look])
+    assert look.dtypes == [torch.float32] * 3
+    for a, b in zip(plain.model.parameters(), learn.model.parameters()): assert torch.equal(a, b)
+    assert learn.master_mixed_precision.skipped == 0 and learn.master_mixed_precision.loss_scale == plain.master_mixed_precision.loss_scale
     assert_fp32_and_intact(learn, hooks)
