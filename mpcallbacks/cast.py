@@ -27,7 +27,8 @@ __all__ = ['always_fp32', 'norms_taking_16bit_input', 'keeps_fp32', 'as_16bit_dt
 # %% ../nbs/00_cast.ipynb #a02f7f2c
 _SpectralNorm = getattr(parametrizations, '_SpectralNorm', None) # the parametrization (torch's private name)
 _SpectralNormHook = getattr(importlib.import_module('torch.nn.utils.spectral_norm'), 'SpectralNorm', None) # the older hook
-always_fp32 = (_NormBase, nn.LayerNorm, nn.GroupNorm) + tuple(t for t in (_SpectralNorm,) if t) # every normalization layer: statistics and their parameters in FP32
+_RMSNorm = getattr(nn, 'RMSNorm', None) # torch >= 2.4
+always_fp32 = (_NormBase, nn.LayerNorm, nn.GroupNorm) + tuple(t for t in (_RMSNorm, _SpectralNorm) if t) # every normalization layer: statistics and their parameters in FP32
 norms_taking_16bit_input = (_NormBase, nn.LayerNorm, nn.GroupNorm) # FP32 layers whose kernels take 16-bit input and return it
 
 # %% ../nbs/00_cast.ipynb #54cebf4f

@@ -15,12 +15,15 @@ from test_applications import make_awd_lm, make_awd_classifier
 
 # ---- LayerNorm and GroupNorm stay FP32 during a fit, by default, as BatchNorm does
 
+RMSNorm = getattr(nn, 'RMSNorm', None) # torch >= 2.4
+norms_1d = {'LayerNorm': nn.LayerNorm} | ({'RMSNorm': RMSNorm} if RMSNorm else {})
+
 class NormNet(nn.Module):
-    "Conv -> GroupNorm, then Linear -> LayerNorm -> Linear, on synth_dls' 1x8x8 images"
-    def __init__(self):
+    "Conv -> GroupNorm, then Linear -> LayerNorm (or `norm`, RMSNorm say) -> Linear, on synth_dls' 1x8x8 images"
+    def __init__(self, norm=nn.LayerNorm):
         super().__init__()
         self.conv, self.gn = nn.Conv2d(1, 8, 3, padding=1), nn.GroupNorm(2, 8)
-        self.lin, self.ln, self.head = nn.Linear(8*8*8, 32), nn.LayerNorm(32), nn.Linear(32, 2)
+        self.lin, self.ln, self.head = nn.Linear(8*8*8, 32), norm(32), nn.Linear(32, 2)
     def forward(self, x):
         h = torch.relu(self.gn(self.conv(x))).flatten(1)
         return self.head(torch.relu(self.ln(self.lin(h))))
@@ -31,19 +34,21 @@ class NormDtypes(Callback):
     def __init__(self): self.norms, self.others = set(), set()
     def after_pred(self):
         for m in self.learn.model.modules():
-            (self.norms if isinstance(m, (nn.LayerNorm, nn.GroupNorm)) else self.others).update(
+            (self.norms if isinstance(m, (nn.GroupNorm, *norms_1d.values())) else self.others).update(
                 p.dtype for p in m.parameters(recurse=False))
 
-def test_layer_norm_and_group_norm_stay_fp32_by_default():
+@pytest.mark.parametrize('norm', list(norms_1d))
+def test_layer_norm_and_group_norm_stay_fp32_by_default(norm):
+    "RMSNorm too: every normalization layer, as the docs say"
     def make():
         learn = synth_learner()
-        learn.model = NormNet()
+        learn.model = NormNet(norms_1d[norm])
         return learn
     seen = NormDtypes()
     ref = fit_once(make, None, 2, 1e-2)
     mix = fit_once(make, dict(dtype=torch.bfloat16), 2, 1e-2, cbs=[seen])
     assert seen.others == {torch.bfloat16}, f"the conv and linear layers ran as {seen.others}"
-    assert seen.norms == {torch.float32}, f"LayerNorm/GroupNorm parameters during the fit: {seen.norms} (the docs say FP32)"
+    assert seen.norms == {torch.float32}, f"GroupNorm/{norm} parameters during the fit: {seen.norms} (the docs say FP32)"
     assert_like_fp32(ref, mix, cos_min=0.9)
 
 # ---- nothing 16-bit left behind after a fit, plain attributes included (AWD-LSTM's WeightDropout keeps `weight_hh_l0`)
