@@ -8,7 +8,7 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/callback.html.md"""
 from __future__ import annotations
 from contextlib import nullcontext
 from fastai.basics import *
-from .cast import always_fp32, as_16bit_dtype, warn_if_slow
+from .cast import always_fp32, as_16bit_dtype, warn_if_slow, cast_floats
 from .scaler import LossScaler, NonFiniteGradients
 from .master import GradPhase
 from .mixed_fit import MixedFit, mixed_fits
@@ -114,13 +114,13 @@ def end_fit(self:MasterMixedPrecision) -> None:
 @patch
 def after_pred(self:MasterMixedPrecision):
     "Hand FP32 predictions to the loss function"
-    if self.fit_state is not None: self.learn.pred = to_float(self.pred)
+    if self.fit_state is not None: self.learn.pred = cast_floats(self.pred, torch.float32) # namedtuples and `ModelOutput`s kept
 
 # %% ../nbs/03_callback.ipynb #69ca3fb2
 @patch
 def after_loss(self:MasterMixedPrecision):
     "Keep the loss in FP32, also where the loss function runs 16-bit sub-models itself (a GAN's critic)"
-    if self.fit_state is not None: self.learn.loss_grad,self.learn.loss = to_float(self.loss_grad),to_float(self.loss)
+    if self.fit_state is not None: self.learn.loss_grad,self.learn.loss = cast_floats(self.loss_grad, torch.float32),cast_floats(self.loss, torch.float32)
 
 # %% ../nbs/03_callback.ipynb #3851ea5f
 @patch

@@ -22,13 +22,13 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['always_fp32', 'norms_taking_16bit_input', 'keeps_fp32', 'as_16bit_dtype', 'native_16bit_dtypes', 'warn_if_slow',
-           'CastSlot', 'CastPair', 'check_castable', 'unmatched_names', 'ModelCast', 'cast_model']
+           'CastSlot', 'CastPair', 'check_castable', 'unmatched_names', 'ModelCast', 'cast_floats', 'cast_model']
 
 # %% ../nbs/00_cast.ipynb #a02f7f2c
 _SpectralNorm = getattr(parametrizations, '_SpectralNorm', None) # the parametrization (torch's private name)
 _SpectralNormHook = getattr(importlib.import_module('torch.nn.utils.spectral_norm'), 'SpectralNorm', None) # the older hook
 _RMSNorm = getattr(nn, 'RMSNorm', None) # torch >= 2.4
-always_fp32 = (_NormBase, nn.LayerNorm, nn.GroupNorm) + tuple(t for t in (_RMSNorm, _SpectralNorm) if t) # every normalization layer: statistics and their parameters in FP32
+always_fp32 = (_NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.CrossMapLRN2d) + tuple(t for t in (_RMSNorm, _SpectralNorm) if t) # every normalization layer: statistics and their parameters in FP32
 norms_taking_16bit_input = (_NormBase, nn.LayerNorm, nn.GroupNorm) # FP32 layers whose kernels take 16-bit input and return it
 
 # %% ../nbs/00_cast.ipynb #54cebf4f
@@ -78,8 +78,8 @@ def native_16bit_dtypes(
         bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
         return {torch.float16, torch.bfloat16} if bf16 else {torch.float16}
     if dev.type != 'cpu': return {torch.float16, torch.bfloat16} # other accelerators: no way to tell, no warning
-    # The instructions help only where torch dispatches its AVX512 kernels (not when ATEN_CPU_CAPABILITY=avx2 asks for less)
-    if not torch.backends.cpu.get_cpu_capability().startswith('AVX512'): return set()
+    # oneDNN, which runs the matmuls and convolutions, picks its own instructions: bfloat16 stays fast on an AMX CPU even
+    # with ATen's kernels dispatched for AVX2 (ATEN_CPU_CAPABILITY=avx2), so the CPU's instructions decide, not the dispatch
     res = set()
     if _cpu_has('avx512_bf16') or _cpu_has('amx_tile'): res.add(torch.bfloat16)
     if _cpu_has('amx_fp16'): res.add(torch.float16)
@@ -193,7 +193,8 @@ class ModelCast:
     params:list = field(default_factory=list)  # A `CastSlot` per parameter slot
     hooks:list = field(default_factory=list)   # Handles of the dtype hooks, while cast
     state_hooks:list = field(default_factory=list) # Handles of the state-dict hooks, from the cast to `restore`
-    attrs16:set = field(default_factory=set) # (module id, name) of the plain 16-bit tensor attributes modules had before the cast
+    grad_routes:list = field(default_factory=list) # Handles of the copies' gradient hooks after a call outside a batch, to the next wake
+    attrs16:set = field(default_factory=set) # (module id, name[, dict key]) of the 16-bit tensors modules held before the cast
     kept:list = field(default_factory=list)    # The outermost modules kept in FP32
     model:nn.Module|None = None
     dtype:torch.dtype = torch.float16
@@ -262,13 +263,32 @@ def rest(self:ModelCast) -> None:
 def wake(self:ModelCast) -> None:
     "Put the copies in again, re-synced from the originals (values and `requires_grad`): what the next forward calls"
     if not (self.cast and self.resting): return
+    self._unroute_grads()
     for c in self._lists[0]:
         if c.copy.requires_grad != c.original.requires_grad: c.copy.requires_grad_(c.original.requires_grad)
     self.sync_copies()
     self._put('copy')
     self.resting = False
 
-# %% ../nbs/00_cast.ipynb #23cd9751
+# %% ../nbs/00_cast.ipynb #b12fba17
+def _grad_to_original(pair, copy):
+    g,copy.grad = copy.grad,None
+    g,o = g.to(pair.original.dtype),pair.original
+    o.grad = g if o.grad is None else o.grad + g
+
+@patch
+def route_grads(self:ModelCast) -> None:
+    "Until the next `wake`: gradients that reach the copies go on to their originals, which the resting model holds"
+    self._unroute_grads()
+    for c in self._lists[0]:
+        if c.copy.requires_grad: self.grad_routes.append(c.copy.register_post_accumulate_grad_hook(partial(_grad_to_original, c)))
+
+@patch
+def _unroute_grads(self:ModelCast) -> None:
+    for h in self.grad_routes: h.remove()
+    self.grad_routes = []
+
+# %% ../nbs/00_cast.ipynb #ab25df5a
 @patch
 def uncast(self:ModelCast) -> None:
     "Put the FP32 originals in the model, with no hook of ours: it pickles as a plain model (`recast` returns to the state before)"
@@ -280,8 +300,9 @@ def _disarm(self:ModelCast) -> None:
     self._put('original') # even when not `cast`: a recast interrupted after its swap has put the copies in
     for h in self.hooks: h.remove()
     self.hooks,self.cast = [],False
+    self._versions = [o._version for o in self._lists[2]] # what `_resume` compares: was an original written meanwhile?
 
-# %% ../nbs/00_cast.ipynb #acaa7171
+# %% ../nbs/00_cast.ipynb #17d638d8
 @patch
 def recast(self:ModelCast) -> None:
     "Arm the hooks again, with the 16-bit copies re-synced from the originals and in the model (unless `resting`)"
@@ -291,8 +312,16 @@ def recast(self:ModelCast) -> None:
 
 @patch
 def _resume(self:ModelCast) -> None:
-    if not self.resting: self.sync_copies()
+    # Awake (between a forward and its backward, or in validation), the copies go back in as they were unless an
+    # original was written meanwhile (a load): re-syncing them after a mere save would change tensors autograd saved
+    if not self.resting and self._originals_written(): self.sync_copies()
     self._swap_in()
+
+@patch
+def _originals_written(self:ModelCast) -> bool:
+    "Whether an in-place write (`copy_`, `load_state_dict`) reached an original since the hooks were taken off"
+    before = getattr(self, '_versions', None)
+    return before is None or before != [o._version for o in self._lists[2]]
 
 @patch
 def _swap_in(self:ModelCast) -> None:
@@ -306,7 +335,7 @@ def _swap_in(self:ModelCast) -> None:
         raise
     self.cast = True
 
-# %% ../nbs/00_cast.ipynb #11c05b39
+# %% ../nbs/00_cast.ipynb #c8ee71be
 @patch
 def restore(self:ModelCast) -> None:
     "Put the FP32 originals back for good, without the hooks, and no 16-bit tensor the fit left behind"
@@ -314,22 +343,32 @@ def restore(self:ModelCast) -> None:
     if self.model is not None: # e.g. fastai's WeightDropout sets its LSTM's `weight_hh_l0` from the 16-bit copy at each forward
         for m in self.model.modules():
             for k,v in list(vars(m).items()):
-                if (id(m), k) not in self.attrs16 and k != '_flat_weights' and _has_16bit(v): setattr(m, k, _to(v, torch.float32))
+                if k == '_flat_weights': continue
+                if isinstance(v, dict): # a buffer the forward set from a 16-bit activation (`_buffers`), or a dict of the module's
+                    for kk,o in list(v.items()):
+                        if (id(m), k, kk) not in self.attrs16 and _has_16bit(o): v[kk] = _to(o, torch.float32)
+                elif (id(m), k) not in self.attrs16 and _has_16bit(v): setattr(m, k, _to(v, torch.float32))
+    self._unroute_grads()
     self.params,self.kept,self.model,self.resting = [],[],None,False
     self.__dict__.pop('_lists', None)
 
-# %% ../nbs/00_cast.ipynb #016591d5
-def _to(x, dtype):
+# %% ../nbs/00_cast.ipynb #dc8756e6
+def cast_floats(
+    x, # A tensor, or a container of them: tuple, namedtuple, list, dict and their subclasses, `PackedSequence`
+    dtype:torch.dtype, # What the floating-point tensors become
+): # `x`, its containers of the same types
     "`x` with its floating-point tensors cast to `dtype`, in containers kept as they are (namedtuple, `PackedSequence`, subclasses)"
     if isinstance(x, Tensor): return x.to(dtype) if x.is_floating_point() else x
-    if isinstance(x, PackedSequence): return x._replace(data=_to(x.data, dtype)) # its sizes and indices stay int64
-    if isinstance(x, tuple) and hasattr(x, '_fields'): return type(x)._make([_to(o, dtype) for o in x])
-    if isinstance(x, tuple): return type(x)([_to(o, dtype) for o in x])
+    if isinstance(x, PackedSequence): return x._replace(data=cast_floats(x.data, dtype)) # its sizes and indices stay int64
+    if isinstance(x, tuple) and hasattr(x, '_fields'): return type(x)._make([cast_floats(o, dtype) for o in x])
+    if isinstance(x, tuple): return type(x)([cast_floats(o, dtype) for o in x])
     if isinstance(x, (list, dict)): # a copy of the same class (an `OrderedDict` subclass stays one), values cast
         res = copy.copy(x)
-        for k in (range(len(x)) if isinstance(x, list) else x): res[k] = _to(x[k], dtype)
+        for k in (range(len(x)) if isinstance(x, list) else x): res[k] = cast_floats(x[k], dtype)
         return res
     return x
+
+_to = cast_floats
 
 class _OwnHook:
     "A hook of ours. Copied (`copy.deepcopy` of the model, for an EMA) or pickled, it becomes a no-op of the standard library"
@@ -356,7 +395,8 @@ def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
             h.remove()
             if h in into: into.remove(h) # one handle per such call: none piles up over a fit
             if not mc.rest_after_forward: return None # (left from a call that raised, and now inside a batch)
-            if not torch.is_grad_enabled(): mc.rest() # else a backward may follow: the copies stay in until the next batch
+            mc.rest() # so that a write after it (a clamp in the same callback) reaches the masters, as in FP32
+            if torch.is_grad_enabled(): mc.route_grads() # and a backward through it fills the gradients of the model it holds
             return _to(out, torch.float32)
         h = m.register_forward_hook(_OwnHook(done))
         into.append(h)
@@ -377,7 +417,7 @@ def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
         into.append(m.register_forward_pre_hook(_OwnHook(in_32), with_kwargs=True))
         into.append(m.register_forward_hook(_OwnHook(out_16)))
 
-# %% ../nbs/00_cast.ipynb #7b3aca00
+# %% ../nbs/00_cast.ipynb #00151796
 @patch
 def _hook_state_dicts(self:ModelCast) -> None:
     m = self.model
@@ -413,7 +453,7 @@ def _after_load(self:ModelCast, module, incompatible_keys):
     if getattr(self, '_reload', False) and module is self.model: self._resume()
     self._reload = False
 
-# %% ../nbs/00_cast.ipynb #ea7fc672
+# %% ../nbs/00_cast.ipynb #8b67d250
 def cast_model(
     model:nn.Module, # The FP32 model to cast
     dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`
@@ -433,8 +473,16 @@ def cast_model(
     return res
 
 def _has_16bit(v) -> bool:
-    "Whether `v` is a 16-bit tensor, or a list or tuple that holds one (an RNN's hidden state)"
+    "Whether `v` is a 16-bit tensor, or a list, tuple or dict that holds one (an RNN's hidden state)"
     if isinstance(v, Tensor): return _is_16bit(v)
+    if isinstance(v, dict): return any(_has_16bit(o) for o in v.values())
     return isinstance(v, (list, tuple)) and any(_has_16bit(o) for o in v)
 
-def _attrs16(model) -> set: return {(id(m), k) for m in model.modules() for k,v in vars(m).items() if _has_16bit(v)}
+def _attrs16(model) -> set:
+    "`(module id, attribute)`, or `(module id, dict attribute, key)`, of each 16-bit tensor the model holds before the cast"
+    res = set()
+    for m in model.modules():
+        for k,v in vars(m).items():
+            if isinstance(v, dict): res |= {(id(m), k, kk) for kk,o in v.items() if _has_16bit(o)} # `_buffers` among them
+            elif _has_16bit(v): res.add((id(m), k))
+    return res

@@ -1,7 +1,7 @@
 "Changes a callback makes during a fit: a new optimizer, removing mixed precision, writing or reading the model's state."
 import copy
 import pytest, torch
-from fastai.basics import Callback
+from fastai.basics import Callback, set_seed
 from mpcallbacks.all import MasterMixedPrecision
 from mpcallbacks.test_utils import synth_learner, opt_params
 from intact import assert_fp32_and_intact, hook_ids, run_or_timeout
@@ -71,4 +71,33 @@ def test_state_dict_snapshot_mid_fit_is_fp32_masters_and_loading_it_at_after_fit
     now = learn.model.state_dict()
     lost = [k for k, v in cb.snap.items() if not torch.equal(now[k], v.to(now[k].dtype)) or now[k].dtype != v.dtype]
     assert not lost, f"the snapshot loaded at after_fit was overwritten: {lost}"
+    assert_fp32_and_intact(learn, hooks)
+
+
+# ---- a checkpoint or a new optimizer between a forward and its backward (found by review)
+
+class SaveBeforeBackward(Callback):
+    "At `before_backward` of every training batch: `learn.save` (with the optimizer) or `learn.create_opt`"
+    order = 50
+    def __init__(self, what): self.what = what
+    def before_backward(self):
+        if not self.training: return
+        if self.what == 'save': self.learn.save('mid', with_opt=True)
+        else: self.learn.create_opt()
+
+@pytest.mark.parametrize('what', ['save', 'create_opt'])
+def test_save_or_create_opt_between_forward_and_backward_trains_as_without(what, tmp_path):
+    "As in FP32, the backward that follows still runs: the 16-bit copies autograd saved are put back untouched"
+    def fit(cbs):
+        set_seed(0)
+        learn = synth_learner(path=tmp_path).to_mixed(torch.bfloat16)
+        hooks = hook_ids(learn.model)
+        run_or_timeout(learn.fit, 1, 1e-2, cbs=cbs)
+        return learn, hooks
+    plain,_ = fit([])
+    learn,hooks = fit([SaveBeforeBackward(what)])
+    if what == 'save': # a fresh optimizer each batch trains differently (Adam's state starts over): compare saves only
+        for a, b in zip(plain.model.parameters(), learn.model.parameters()): assert torch.equal(a, b)
+        sd = torch.load(tmp_path/'models'/'mid.pth', weights_only=False)['model']
+        assert {v.dtype for v in sd.values() if v.is_floating_point()} == {torch.float32}
     assert_fp32_and_intact(learn, hooks)

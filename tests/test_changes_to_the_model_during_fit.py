@@ -157,15 +157,18 @@ def test_weights_swapped_for_validation_and_put_back_leave_the_trained_masters()
 class SampleThenConstrain(Callback):
     "At the end of each epoch: run the model on a batch (samples for a report), then clamp the linear layer"
     order = 50
+    def __init__(self, grad=False): self.grad = grad
     def after_epoch(self):
-        with torch.no_grad(): self.learn.model(self.learn.dls.valid.one_batch()[0])
+        with torch.set_grad_enabled(self.grad): self.learn.model(self.learn.dls.valid.one_batch()[0])
         w = self.learn.model[LIN].weight
         with torch.no_grad(): w.clamp_(-0.02, 0.02)
 
-def test_a_forward_between_batches_then_a_write_reaches_the_masters():
+@pytest.mark.parametrize('grad', [False, True], ids=['no_grad', 'with_grad'])
+def test_a_forward_between_batches_then_a_write_reaches_the_masters(grad):
+    "With gradients on too (a callback that forgets `torch.no_grad()`): the model rests as soon as the call returns"
     make = lambda: synth_learner(opt_func=Adam)
-    ref = fit_once(make, None, 2, 1e-2, cbs=[SampleThenConstrain()])
-    mix = fit_once(make, BF16, 2, 1e-2, cbs=[SampleThenConstrain()])
+    ref = fit_once(make, None, 2, 1e-2, cbs=[SampleThenConstrain(grad)])
+    mix = fit_once(make, BF16, 2, 1e-2, cbs=[SampleThenConstrain(grad)])
     assert worst('clamp', ref.after[f'{LIN}.weight']) <= 0.02
     assert worst('clamp', mix.after[f'{LIN}.weight']) <= 0.02 * (1 + 1e-6)
 

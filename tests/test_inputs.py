@@ -86,3 +86,43 @@ def test_fit_with_container_inputs(kind):
     run_or_timeout(learn.fit, 1, 1e-2, cbs=check)
     assert check.checked == 8
     assert_fp32_and_intact(learn, hooks)
+
+# ---- outputs: the loss function gets the model's own container, its tensors in FP32 (found by review)
+
+Out = namedtuple('Out', 'logits aux')
+class ModelOutput(OrderedDict):
+    "As Hugging Face's: an OrderedDict whose keys are attributes too"
+    def __getattr__(self, k):
+        try: return self[k]
+        except KeyError: raise AttributeError(k) from None
+
+outputs = {'namedtuple': lambda logits, aux: Out(logits, aux), 'ModelOutput': lambda logits, aux: ModelOutput(logits=logits, aux=aux)}
+
+class OutNet(nn.Module):
+    def __init__(self, kind): super().__init__(); self.kind,self.lin = kind,nn.Linear(64, 2)
+    def forward(self, x):
+        logits = self.lin(x.flatten(1))
+        return outputs[self.kind](logits, logits.sum(1))
+
+class OutLoss:
+    "Reads the output by attribute, as such losses do, and records what it was handed"
+    def __init__(self): self.seen = set()
+    def __call__(self, out, y):
+        self.seen.add((type(out).__name__, out.logits.dtype, out.aux.dtype))
+        return nn.functional.cross_entropy(out.logits, y) + 0. * out.aux.mean()
+
+@pytest.mark.parametrize('kind', outputs)
+def test_fit_with_a_container_output(kind):
+    def fit(mixed):
+        torch.manual_seed(0)
+        loss = OutLoss()
+        learn = Learner(synth_dls(), OutNet(kind), loss_func=loss)
+        learn.remove_cb(ProgressCallback)
+        if mixed: learn.to_mixed(torch.bfloat16)
+        run_or_timeout(learn.fit, 1, 1e-2)
+        return learn, loss
+    ref, ref_loss = fit(False)
+    learn, loss = fit(True)
+    assert loss.seen == ref_loss.seen == {(type(outputs[kind](torch.zeros(1), torch.zeros(1))).__name__, torch.float32, torch.float32)}
+    torch.testing.assert_close(learn.model.lin.weight, ref.model.lin.weight, rtol=0.05, atol=0.02)
+    assert_fp32_and_intact(learn)
