@@ -92,9 +92,11 @@ def _note_dtype_clash(e:RuntimeError) -> None:
     msg = str(e)
     if not (hasattr(e, 'add_note') and 'type' in msg and _16bit_names.search(msg) and _fp32_names.search(msg)): return
     e.add_note("to_mixed: an FP32 tensor met a 16-bit one in the forward. Each module with 16-bit weights has its inputs "
-               "cast, but a tensor a module makes in its own `forward` (torch.linspace, torch.zeros, .float()) and "
-               "combines with its own weight is used as made: make it with the weight's dtype (`dtype=self.weight.dtype`), "
-               "or keep that module in FP32 with `to_mixed(keep_fp32=['its name'])`.")
+               "cast, but a tensor made inside a `forward` (torch.zeros, torch.linspace, `.float()`, an FP32 buffer) and "
+               "combined there with a 16-bit weight or activation, in an op that does not promote (a matmul, an indexed "
+               "write), is used as made: make it with the dtype of what it meets (`.to(x.dtype)`, "
+               "`dtype=self.weight.dtype`), or keep the module whose forward does this in FP32 with "
+               "`to_mixed(keep_fp32=['its name'])`.")
 
 @contextmanager
 def _entry_point(learn, cbs=None):
@@ -152,12 +154,25 @@ def _guarded_validation_context(self, cbs=None, inner=False):
     ctx = _validation_context(self, cbs=cbs, inner=inner)
     mine = _mixed_cbs(self, cbs)
     if not mine: return ctx
-    # Outside a fit, inference runs in FP32 as the exported learner does, unless the callback asks for 16 bits
-    fp32 = [cb for cb in self._grab_cbs(MasterMixedPrecision) if not cb.mixed_inference] if self not in _entry_depth else []
+    fp32 = _fp32_inference_cbs(self)
     return _Unwinding([_entry_point(self, cbs)] + ([self.removed_cbs(fp32)] if fp32 else []) + list(ctx.default))
 Learner.validation_context = _guarded_validation_context
 
-# %% ../nbs/05_learner.ipynb #c341fa88
+def _fp32_inference_cbs(learn) -> list:
+    "Outside a fit, inference runs in FP32 as the exported learner does, unless the callback asks for 16 bits"
+    return [cb for cb in learn._grab_cbs(MasterMixedPrecision) if not cb.mixed_inference] if learn not in _entry_depth else []
+
+# %% ../nbs/05_learner.ipynb #bc77616c
+_tta = _fastai_method('tta')
+
+@wraps(_tta)
+def _guarded_tta(self, *args, **kwargs):
+    if not _mixed_cbs(self): return _tta(self, *args, **kwargs)
+    fp32 = _fp32_inference_cbs(self)
+    with _entry_point(self), (self.removed_cbs(fp32) if fp32 else nullcontext()): return _tta(self, *args, **kwargs)
+Learner.tta = _guarded_tta
+
+# %% ../nbs/05_learner.ipynb #f2adaf51
 _enter,_exit = _fastai_method('__enter__'),_fastai_method('__exit__')
 
 def _end_if_bare(learn):
@@ -179,7 +194,7 @@ def _guarded_exit(self, exc_type, exc_value, tb):
         raise
 Learner.__enter__,Learner.__exit__ = _guarded_enter,_guarded_exit
 
-# %% ../nbs/05_learner.ipynb #be001ca5
+# %% ../nbs/05_learner.ipynb #971a1f8a
 _create_opt = _fastai_method('create_opt')
 
 @wraps(_create_opt)
@@ -189,7 +204,7 @@ def _guarded_create_opt(self):
         return _create_opt(self)
 Learner.create_opt = _guarded_create_opt
 
-# %% ../nbs/05_learner.ipynb #12ebf48a
+# %% ../nbs/05_learner.ipynb #99cbe9a0
 _scaler_key = 'mpcallbacks.loss_scaler'
 
 class OptimizerWithScaler(GetAttr):
@@ -216,13 +231,13 @@ class OptimizerWithScaler(GetAttr):
         except Exception: raise # fastai warns that the optimizer state could not be loaded
         except BaseException as e: self.interrupted = e # fastai's bare `except:` would swallow a Ctrl-C: kept for after
 
-# %% ../nbs/05_learner.ipynb #3125d5fd
+# %% ../nbs/05_learner.ipynb #61e70d1e
 def _carrying_scaler(learn, cb):
     "`learn.opt` wrapped in an `OptimizerWithScaler` for the length of the block (fastai's `replacing_yield`)"
     if getattr(learn, 'opt', None) is None: return nullcontext()
     return contextmanager(replacing_yield)(learn, 'opt', OptimizerWithScaler(learn.opt, cb.scaler))
 
-# %% ../nbs/05_learner.ipynb #fed832b5
+# %% ../nbs/05_learner.ipynb #ee41ddf3
 @contextmanager
 def _replacing_file(path:Path):
     "A temporary name in `path`'s folder to write to; it becomes `path` only once written, so a crash leaves the old file"
@@ -232,7 +247,7 @@ def _replacing_file(path:Path):
         if tmp.exists(): os.replace(tmp, path) # (not written: a rank that does not save)
     finally: tmp.unlink(missing_ok=True)
 
-# %% ../nbs/05_learner.ipynb #59969355
+# %% ../nbs/05_learner.ipynb #5934b318
 _save = _fastai_method('save')
 
 @wraps(_save)
@@ -245,7 +260,7 @@ def _guarded_save(self, file, **kwargs):
     return path
 Learner.save = _guarded_save
 
-# %% ../nbs/05_learner.ipynb #b7180a44
+# %% ../nbs/05_learner.ipynb #221f8931
 def _check_scaler_entry(learn, file, cb):
     "Raise, naming the key, if the checkpoint's loss scaler entry is malformed; before anything is loaded"
     path = join_path_file(file, learn.path/learn.model_dir, ext='.pth')
@@ -257,7 +272,7 @@ def _check_scaler_entry(learn, file, cb):
     if isinstance(state, dict) and set(state) == {'model', 'opt'} and isinstance(state['opt'], dict) and _scaler_key in state['opt']:
         cb.scaler.check_state_dict(state['opt'][_scaler_key])
 
-# %% ../nbs/05_learner.ipynb #ee8162dd
+# %% ../nbs/05_learner.ipynb #dba9046e
 _load = _fastai_method('load')
 
 @wraps(_load)
@@ -273,7 +288,7 @@ def _guarded_load(self, file, device=None, **kwargs):
     return self
 Learner.load = _guarded_load
 
-# %% ../nbs/05_learner.ipynb #085173f2
+# %% ../nbs/05_learner.ipynb #bae6f3a4
 _export = _fastai_method('export')
 
 @contextmanager

@@ -55,3 +55,27 @@ def test_live_and_exported_learner_predict_the_same(mixed_fit, tmp_path):
                                msg=lambda m: f"live predictions vs the FP32 model's own: {m}")
     exported_loss = float(loaded.validate(dl=dl)[0])
     assert abs(live_loss - exported_loss) <= 1e-6, f"validate: live {live_loss}, exported {exported_loss}"
+
+# ---- tta runs the model as get_preds does, in both settings (found by review: it always ran FP32)
+
+class ForwardDtypes(Callback):
+    "The dtypes of the model's parameters as each forward of an inference call ran them"
+    def __init__(self): self.seen = set()
+    def after_pred(self): self.seen |= {p.dtype for p in self.learn.model.parameters()}
+
+@pytest.mark.parametrize('mixed_inference', [False, True])
+def test_tta_runs_the_model_as_get_preds_does(mixed_inference):
+    from test_entry_points import block_learner # fastai Datasets: tta switches their split
+    from intact import assert_at_rest, hook_ids
+    learn = block_learner().to_mixed(torch.bfloat16, mixed_inference=mixed_inference)
+    learn.fit(1, 1e-2)
+    hooks = hook_ids(learn.model)
+    look = ForwardDtypes()
+    learn.get_preds(cbs=look)
+    via_get_preds, look.seen = look.seen, set()
+    learn.add_cb(look)
+    learn.tta(n=2)
+    learn.remove_cb(look)
+    assert via_get_preds == ({torch.bfloat16, torch.float32} if mixed_inference else {torch.float32}) # BatchNorm stays FP32
+    assert look.seen == via_get_preds, f"tta ran the model as {look.seen}, get_preds as {via_get_preds}"
+    assert_at_rest(learn, hooks)
