@@ -415,7 +415,8 @@ def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
     for m in mc.kept:
         if isinstance(m, norms_taking_16bit_input): continue
         into.append(m.register_forward_pre_hook(_OwnHook(in_32), with_kwargs=True))
-        into.append(m.register_forward_hook(_OwnHook(out_16)))
+        # a normalization hands 16-bit output on; a module the user keeps by name or type, FP32 (a head predicts in FP32)
+        if keeps_fp32('', m): into.append(m.register_forward_hook(_OwnHook(out_16)))
 
 # %% ../nbs/00_cast.ipynb #00151796
 @patch

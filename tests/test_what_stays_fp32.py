@@ -127,6 +127,34 @@ def test_after_fit_the_fp32_model_runs_a_plain_forward_as_a_fresh_copy_does(make
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
+# ---- a module kept in FP32 by name hands its output on in FP32 (found by review: a head's predictions were rounded)
+
+class Preds(Callback):
+    "Every training prediction, as the loss function gets it"
+    def __init__(self): self.preds = []
+    def after_pred(self):
+        if self.training: self.preds.append(self.learn.pred.detach().clone())
+
+def test_a_head_kept_in_fp32_predicts_in_fp32():
+    "Regression around 1000: bfloat16 spaces values there by 8, so a 16-bit head could only predict multiples of 8"
+    from fastai.basics import Learner, DataLoaders, MSELossFlat
+    def make():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(320, 8, generator=g)
+        y = 1000 + x @ torch.randn(8, 1, generator=g)
+        ds = list(zip(x, y))
+        dls = DataLoaders.from_dsets(ds[:256], ds[256:], bs=32, num_workers=0, device='cpu')
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        with torch.no_grad(): model[2].bias.fill_(1000.)
+        return Learner(dls, model, loss_func=MSELossFlat())
+    look = Preds()
+    ref = fit_once(make, None, 3, 1e-2)
+    mix = fit_once(make, dict(dtype=torch.bfloat16, keep_fp32=['2']), 3, 1e-2, cbs=[look])
+    preds = torch.cat(look.preds)
+    assert preds.dtype == torch.float32 and not torch.equal(preds, preds.round() // 8 * 8), "the head's output was rounded to 16 bits"
+    end32, end16 = ref.mean_loss(False, 4), mix.mean_loss(False, 4)
+    assert end16 <= 1.5 * end32, f"final loss {end16:.3f}, FP32 {end32:.3f}"
+
 # ---- normalization layers without parameters: their CPU kernels take no 16-bit input
 
 def test_local_response_norm_trains():
