@@ -208,10 +208,11 @@ class ModelCast:
         return list(self._lists[0])
 
     @cached_property
-    def _lists(self) -> tuple: # once per cast (the slots are fixed until `restore`): pairs, copies, originals, RNNs
+    def _lists(self) -> tuple: # once per cast (the slots are fixed until `restore`): pairs, copies, originals, RNNs, flags
         pairs = list({id(s.copy):CastPair(s.copy, s.original) for s in self.params}.values())
         rnns = [m for m in {id(s.module):s.module for s in self.params}.values() if hasattr(m, '_init_flat_weights')]
-        return pairs,[c.copy for c in pairs],[c.original for c in pairs],rnns
+        agreed = [c.copy.requires_grad for c in pairs] # each pair's `requires_grad` when copy and original last agreed
+        return pairs,[c.copy for c in pairs],[c.original for c in pairs],rnns,agreed
 
     @property
     def device(self) -> torch.device: # Where the first cast tensor lives
@@ -246,7 +247,7 @@ def copies_differ(self:ModelCast,
 @patch
 def sync_copies(self:ModelCast) -> None:
     "Copy the originals' values into the 16-bit copies"
-    _,copies,originals,_ = self._lists
+    _,copies,originals,*_ = self._lists
     if copies:
         with torch.no_grad(): torch._foreach_copy_(copies, originals)
 
@@ -264,13 +265,24 @@ def wake(self:ModelCast) -> None:
     "Put the copies in again, re-synced from the originals (values and `requires_grad`): what the next forward calls"
     if not (self.cast and self.resting): return
     self._unroute_grads()
-    for c in self._lists[0]:
-        if c.copy.requires_grad != c.original.requires_grad: c.copy.requires_grad_(c.original.requires_grad)
+    self.agree_requires_grad()
     self.sync_copies()
     self._put('copy')
     self.resting = False
 
-# %% ../nbs/00_cast.ipynb #b12fba17
+# %% ../nbs/00_cast.ipynb #96b095af
+@patch
+def agree_requires_grad(self:ModelCast) -> None:
+    "Give each copy and its original the `requires_grad` of whichever side changed it since they last agreed"
+    pairs,agreed = self._lists[0],self._lists[4]
+    for i,c in enumerate(pairs):
+        a,b = c.copy.requires_grad,c.original.requires_grad
+        if a != b:
+            if a != agreed[i]: c.original.requires_grad_(a) # the copy's side changed (during a forward, or GANTrainer's switch)
+            else: c.copy.requires_grad_(b)                  # the original's side changed (`freeze`, or a write at rest)
+        agreed[i] = c.copy.requires_grad
+
+# %% ../nbs/00_cast.ipynb #ed93a3a3
 def _grad_to_original(pair, copy):
     g,copy.grad = copy.grad,None
     g,o = g.to(pair.original.dtype),pair.original
@@ -288,7 +300,7 @@ def _unroute_grads(self:ModelCast) -> None:
     for h in self.grad_routes: h.remove()
     self.grad_routes = []
 
-# %% ../nbs/00_cast.ipynb #ab25df5a
+# %% ../nbs/00_cast.ipynb #4f8ac815
 @patch
 def uncast(self:ModelCast) -> None:
     "Put the FP32 originals in the model, with no hook of ours: it pickles as a plain model (`recast` returns to the state before)"
@@ -302,7 +314,7 @@ def _disarm(self:ModelCast) -> None:
     self.hooks,self.cast = [],False
     self._versions = [o._version for o in self._lists[2]] # what `_resume` compares: was an original written meanwhile?
 
-# %% ../nbs/00_cast.ipynb #17d638d8
+# %% ../nbs/00_cast.ipynb #5126815a
 @patch
 def recast(self:ModelCast) -> None:
     "Arm the hooks again, with the 16-bit copies re-synced from the originals and in the model (unless `resting`)"
@@ -335,7 +347,7 @@ def _swap_in(self:ModelCast) -> None:
         raise
     self.cast = True
 
-# %% ../nbs/00_cast.ipynb #c8ee71be
+# %% ../nbs/00_cast.ipynb #854a9e25
 @patch
 def restore(self:ModelCast) -> None:
     "Put the FP32 originals back for good, without the hooks, and no 16-bit tensor the fit left behind"
@@ -352,7 +364,7 @@ def restore(self:ModelCast) -> None:
     self.params,self.kept,self.model,self.resting = [],[],None,False
     self.__dict__.pop('_lists', None)
 
-# %% ../nbs/00_cast.ipynb #dc8756e6
+# %% ../nbs/00_cast.ipynb #905a82b8
 def cast_floats(
     x, # A tensor, or a container of them: tuple, namedtuple, list, dict and their subclasses, `PackedSequence`
     dtype:torch.dtype, # What the floating-point tensors become
@@ -418,7 +430,7 @@ def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
         # a normalization hands 16-bit output on; a module the user keeps by name or type, FP32 (a head predicts in FP32)
         if keeps_fp32('', m): into.append(m.register_forward_hook(_OwnHook(out_16)))
 
-# %% ../nbs/00_cast.ipynb #00151796
+# %% ../nbs/00_cast.ipynb #26787222
 @patch
 def _hook_state_dicts(self:ModelCast) -> None:
     m = self.model
@@ -454,7 +466,7 @@ def _after_load(self:ModelCast, module, incompatible_keys):
     if getattr(self, '_reload', False) and module is self.model: self._resume()
     self._reload = False
 
-# %% ../nbs/00_cast.ipynb #8b67d250
+# %% ../nbs/00_cast.ipynb #163d1c03
 def cast_model(
     model:nn.Module, # The FP32 model to cast
     dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`

@@ -33,7 +33,6 @@ class MixedFit:
             self.nested = 0 # `before_fit`s dispatched inside this fit (`get_preds` from a callback): their `after_fit` is not the end
             originals = {id(c.copy):c.original for c in self.cast.pairs}
             self.fp32_model_params = [originals.get(id(p), p) for p in learn.model.parameters()]
-            self.requires_grad = [c.original.requires_grad for c in self.cast.pairs] # as last agreed by each copy and its master
             self.end_batch()
             # DDP (`DistributedTrainer`, at `before_fit`) registers the parameters it finds: they must be the copies
             if not (torch.distributed.is_available() and torch.distributed.is_initialized()): self.rest()
@@ -72,19 +71,14 @@ def begin_batch(self:MixedFit) -> None:
 # %% ../nbs/03a_mixed_fit.ipynb #8632b4b7
 @patch
 def end_batch(self:MixedFit) -> None:
-    "Outside a batch, a forward (samples drawn at the end of an epoch) returns FP32 output and, without gradients, rests again"
+    "Outside a batch, a forward (samples drawn at the end of an epoch) returns FP32 output and rests again"
     self.cast.rest_after_forward = self.rests
 
 # %% ../nbs/03a_mixed_fit.ipynb #c40fa4ee
 @patch
 def sync_requires_grad(self:MixedFit) -> None:
     "Give each copy and its master the `requires_grad` of whichever side changed it since they last agreed"
-    for i,c in enumerate(self.cast.pairs):
-        a,b = c.copy.requires_grad,c.original.requires_grad
-        if a != b:
-            if a != self.requires_grad[i]: c.original.requires_grad_(a) # the model's side changed (GANTrainer)
-            else: c.copy.requires_grad_(b)                               # the optimizer's side changed (freeze)
-        self.requires_grad[i] = c.copy.requires_grad
+    self.cast.agree_requires_grad() # also at each wake: the cast record keeps when they last agreed
 
 # %% ../nbs/03a_mixed_fit.ipynb #3aeeb2e5
 @patch

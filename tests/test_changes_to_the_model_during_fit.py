@@ -70,6 +70,22 @@ def test_cast_layer_frozen_at_before_train_stays_bit_identical(event, order):
         assert not moved, f"frozen at before_train, yet changed: {moved}"
     assert_like_fp32(ref, mix, cos_min=0.9)
 
+class FreezeThenUnfreeze(Callback):
+    "Through the model: freeze the conv at `before_batch` of batch 3 (after ours), unfreeze it at `after_pred` of the same batch"
+    order = 50
+    def before_batch(self):
+        if self.training and self.epoch == 0 and self.iter == 3: self.learn.model[CONV].requires_grad_(False)
+    def after_pred(self):
+        if self.training and self.epoch == 0 and self.iter == 3: self.learn.model[CONV].requires_grad_(True)
+
+def test_frozen_at_rest_then_unfrozen_in_the_forward_trains_on():
+    "The last change wins, on whichever side the model held at the time (found by review: the freeze stuck)"
+    make = lambda: synth_learner(opt_func=SGD)
+    ref = fit_once(make, None, 1, 1e-1, cbs=[FreezeThenUnfreeze()])
+    mix = fit_once(make, BF16, 1, 1e-1, cbs=[FreezeThenUnfreeze()])
+    assert ref.learn.model[CONV].weight.requires_grad and mix.learn.model[CONV].weight.requires_grad
+    assert_like_fp32(ref, mix, cos_min=0.9)
+
 def test_fp32_norm_layer_unfrozen_mid_epoch_steps_as_in_fp32_in_float16():
     """BatchNorm stays FP32 and is frozen; unfrozen mid-epoch, its SGD step (plain SGD: the step is proportional to the
     gradient) equals FP32's within 5%, not the loss scale (65,536) times it"""
