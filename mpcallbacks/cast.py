@@ -358,8 +358,8 @@ def restore(self:ModelCast) -> None:
                 if k == '_flat_weights': continue
                 if isinstance(v, dict): # a buffer the forward set from a 16-bit activation (`_buffers`), or a dict of the module's
                     for kk,o in list(v.items()):
-                        if (id(m), k, kk) not in self.attrs16 and _has_16bit(o): v[kk] = _to(o, torch.float32)
-                elif (id(m), k) not in self.attrs16 and _has_16bit(v): setattr(m, k, _to(v, torch.float32))
+                        if (id(m), k, kk) not in self.attrs16 and _has_16bit(o): v[kk] = cast_floats(o, torch.float32)
+                elif (id(m), k) not in self.attrs16 and _has_16bit(v): setattr(m, k, cast_floats(v, torch.float32))
     self._unroute_grads()
     self.params,self.kept,self.model,self.resting = [],[],None,False
     self.__dict__.pop('_lists', None)
@@ -380,7 +380,6 @@ def cast_floats(
         return res
     return x
 
-_to = cast_floats
 
 class _OwnHook:
     "A hook of ours. Copied (`copy.deepcopy` of the model, for an EMA) or pickled, it becomes a no-op of the standard library"
@@ -409,7 +408,7 @@ def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
             if not mc.rest_after_forward: return None # (left from a call that raised, and now inside a batch)
             mc.rest() # so that a write after it (a clamp in the same callback) reaches the masters, as in FP32
             if torch.is_grad_enabled(): mc.route_grads() # and a backward through it fills the gradients of the model it holds
-            return _to(out, torch.float32)
+            return cast_floats(out, torch.float32)
         h = m.register_forward_hook(_OwnHook(done))
         into.append(h)
     def woken(m, args):
@@ -417,9 +416,9 @@ def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
     def to_16(m, args, kwargs):
         if id(m) not in mine: return None
         if mc.resting and id(m) in waking: wake_for(m) # also for a sub-model called directly (a GAN's critic, from the loss)
-        return _to(args, dtype),_to(kwargs, dtype)
-    def in_32(m, args, kwargs): return (_to(args, torch.float32),_to(kwargs, torch.float32)) if id(m) in kept else None
-    def out_16(m, args, out): return _to(out, dtype) if id(m) in kept else None
+        return cast_floats(args, dtype),cast_floats(kwargs, dtype)
+    def in_32(m, args, kwargs): return (cast_floats(args, torch.float32),cast_floats(kwargs, torch.float32)) if id(m) in kept else None
+    def out_16(m, args, out): return cast_floats(out, dtype) if id(m) in kept else None
     # Each handle goes into `into` as soon as it exists, so an interrupt part way leaves none unaccounted for. The
     # copies go in before any hook of the module's own runs (`weight_norm`'s computes the weight from them).
     if model is not None: into.append(model.register_forward_pre_hook(_OwnHook(woken), prepend=True))
