@@ -4,5 +4,5 @@ from .master import *
 from .distributed import *
 from .mixed_fit import *
 from .callback import *
+from .checkpoint import *
 from .learner import *
-from .split_masters import *

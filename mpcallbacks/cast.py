@@ -1,4 +1,4 @@
-"""Swap a model's parameters for 16-bit copies, keep normalization layers in FP32, and undo it exactly.
+"""Cast a model's FP32 parameters to 16 bits for its forward only, normalization layers kept in FP32: outside the forward, the parameters are the masters.
 
 Docs: https://mpcallbacks.github.io/mpcallbacks/cast.html.md"""
 
@@ -6,23 +6,21 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/cast.html.md"""
 
 # %% ../nbs/00_cast.ipynb #359db27a
 from __future__ import annotations
-from dataclasses import dataclass, field
+from enum import Enum
 from fnmatch import fnmatchcase
 import torch
 from torch import nn, Tensor
 from torch.nn.modules.batchnorm import _NormBase
-import copy, logging, warnings
-from functools import partial, cached_property
-from typing import NamedTuple
+from torch.nn.modules.module import register_module_forward_pre_hook, register_module_forward_hook
+import copy, re, sys, warnings
 from torch.nn.utils.rnn import PackedSequence
 from torch.nn.utils import parametrizations
-from torch.nn.utils.parametrize import ParametrizationList
 import importlib
 from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['always_fp32', 'norms_taking_16bit_input', 'keeps_fp32', 'as_16bit_dtype', 'native_16bit_dtypes', 'warn_if_slow',
-           'CastSlot', 'CastPair', 'check_castable', 'unmatched_names', 'ModelCast', 'cast_floats', 'cast_model']
+           'check_castable', 'unmatched_names', 'cast_floats', 'CastRole', 'ModelCast', 'cast_model']
 
 # %% ../nbs/00_cast.ipynb #a02f7f2c
 _SpectralNorm = getattr(parametrizations, '_SpectralNorm', None) # the parametrization (torch's private name)
@@ -104,22 +102,7 @@ def warn_if_slow(
     warnings.warn(f"{name} math is emulated on {where} and much slower than FP32: {faster} ({name} still trains correctly).",
                   stacklevel=3)
 
-# %% ../nbs/00_cast.ipynb #9a169c1f
-class CastSlot(NamedTuple):
-    "A parameter slot of a module, with the 16-bit copy that stands in it and the FP32 original kept aside"
-    module:nn.Module # The module that owns the slot
-    name:str # The slot's name in the module's `_parameters`
-    copy:Tensor # The 16-bit copy the model holds while cast
-    original:Tensor # The FP32 tensor the model holds otherwise
-    key:str = '' # The slot's key in the model's `state_dict`
-
-# %% ../nbs/00_cast.ipynb #9dcea903
-class CastPair(NamedTuple):
-    "A 16-bit copy and its FP32 original (the master), once per tensor however many slots it fills"
-    copy:Tensor # The 16-bit parameter
-    original:Tensor # Its FP32 original
-
-# %% ../nbs/00_cast.ipynb #a933b130
+# %% ../nbs/00_cast.ipynb #64e61131
 def _is_16bit(t:Tensor) -> bool: return t.dtype in (torch.float16, torch.bfloat16)
 def _qual(*parts): return '.'.join(p for p in parts if p)
 
@@ -142,7 +125,7 @@ def _cast_plan(model, keep) -> tuple:
              for n,p in m._parameters.items() if p is not None and p.is_floating_point() and id(p) not in kept]
     return kept_tops,slots
 
-# %% ../nbs/00_cast.ipynb #1c3953ab
+# %% ../nbs/00_cast.ipynb #4d456317
 def _checked_plan(model, keep) -> tuple:
     "`_cast_plan(model, keep)`, once `model` passed every check of `check_castable`"
     # (the mixin, not `UninitializedParameter`: torch 2.4's Parameter metaclass calls any Parameter-wrapped subclass one)
@@ -151,14 +134,14 @@ def _checked_plan(model, keep) -> tuple:
                               "size is known only after a first forward. Run one batch through the model before "
                               "`to_mixed()`, e.g. `learn.model(*learn.dls.one_batch()[:learn.dls.n_inp])`.")
     odd = [(n,p.dtype) for n,p in model.named_parameters() if p.is_complex() or (p.is_floating_point() and p.dtype == torch.float64)]
-    if odd: raise ValueError(f"Parameter `{odd[0][0]}` is {odd[0][1]}: mixed precision trains float32 parameters, as 16-bit "
-                             "copies of float32 masters. Convert it to float32, or train this model without `to_mixed()`.")
+    if odd: raise ValueError(f"Parameter `{odd[0][0]}` is {odd[0][1]}: mixed precision trains float32 parameters, cast to "
+                             "16 bits for the forward. Convert it to float32, or train this model without `to_mixed()`.")
     if not any(p.is_floating_point() for p in model.parameters()):
         raise ValueError("The model has no floating-point parameters: there is nothing to train in mixed precision.")
     half = [(n,p.dtype) for n,p in model.named_parameters() if _is_16bit(p)]
     if half: raise ValueError(f"The model already has 16-bit parameters (`{half[0][0]}` is already {half[0][1]}, {len(half)} "
-                              "in all): mixed precision casts a FP32 model itself and keeps FP32 masters. Call "
-                              "`learn.model.float()` first.")
+                              "in all): mixed precision casts a FP32 model itself and keeps its FP32 parameters as the "
+                              "masters. Call `learn.model.float()` first.")
     kept_tops,plan = _cast_plan(model, keep)
     if not plan: raise ValueError("No parameter to cast: every floating-point layer is kept in FP32 (see `keep_fp32`).")
     kept_mods = {id(m_) for m in kept_tops for m_ in m.modules()}
@@ -174,10 +157,10 @@ def check_castable(
     model:nn.Module, # The model to train in mixed precision
     keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
 ) -> None:
-    "Raise, naming the parameter, if `model` cannot be trained as 16-bit copies of FP32 masters"
+    "Raise, naming the parameter, if `model` cannot be trained as FP32 masters cast to 16 bits for the forward"
     _checked_plan(model, keep)
 
-# %% ../nbs/00_cast.ipynb #c2d3e319
+# %% ../nbs/00_cast.ipynb #54c86639
 def unmatched_names(
     model:nn.Module, # The model
     keep:tuple, # Types and name patterns of modules that stay in FP32
@@ -186,185 +169,7 @@ def unmatched_names(
     names = [n for n,_ in model.named_modules()]
     return [k for k in keep if isinstance(k, str) and not any(fnmatchcase(n, k) for n in names)]
 
-# %% ../nbs/00_cast.ipynb #360f84c5
-@dataclass
-class ModelCast:
-    "Record of a model's tensors swapped for 16-bit copies: `rest`, `uncast`, `recast` or `restore` them"
-    params:list = field(default_factory=list)  # A `CastSlot` per parameter slot
-    hooks:list = field(default_factory=list)   # Handles of the dtype hooks, while cast
-    state_hooks:list = field(default_factory=list) # Handles of the state-dict hooks, from the cast to `restore`
-    grad_routes:list = field(default_factory=list) # Handles of the copies' gradient hooks after a call outside a batch, to the next wake
-    attrs16:set = field(default_factory=set) # (module id, name[, dict key]) of the 16-bit tensors modules held before the cast
-    kept:list = field(default_factory=list)    # The outermost modules kept in FP32
-    model:nn.Module|None = None
-    dtype:torch.dtype = torch.float16
-    cast:bool = True # Whether the model is cast: its dtype hooks in, and the 16-bit copies in it (or `resting`)
-    resting:bool = False # Whether the FP32 originals stand in for the copies until the next forward (`rest`)
-    rest_after_forward:bool = False # Whether a forward is outside a batch (its owner's setting): FP32 out, and rest again
-
-    @property
-    def pairs(self) -> list: # A `CastPair` per swapped parameter, in model order
-        "Each swapped parameter once, tied weights included once"
-        return list(self._lists[0])
-
-    @cached_property
-    def _lists(self) -> tuple: # once per cast (the slots are fixed until `restore`): pairs, copies, originals, RNNs, flags
-        pairs = list({id(s.copy):CastPair(s.copy, s.original) for s in self.params}.values())
-        rnns = [m for m in {id(s.module):s.module for s in self.params}.values() if hasattr(m, '_init_flat_weights')]
-        agreed = [c.copy.requires_grad for c in pairs] # each pair's `requires_grad` when copy and original last agreed
-        return pairs,[c.copy for c in pairs],[c.original for c in pairs],rnns,agreed
-
-    @property
-    def device(self) -> torch.device: # Where the first cast tensor lives
-        "The device of the cast model (of its first cast tensor, for a model spread over several)"
-        return self.params[0].copy.device
-
-# %% ../nbs/00_cast.ipynb #a6d2587a
-@patch
-def _put(self:ModelCast, side:str) -> None:
-    "Put the `side` ('copy' or 'original') of every slot into its module, all or none"
-    done = []
-    try:
-        for s in self.params:
-            done.append((s.module._parameters, s.name, s.module._parameters[s.name]))
-            s.module._parameters[s.name] = getattr(s, side)
-    except BaseException: # an interrupt half way: put back what was there, so the model is never half swapped
-        for d,n,t in reversed(done): d[n] = t
-        raise
-    finally: # RNNs cache a list of their weights, which setting `_parameters` directly leaves stale
-        for m in self._lists[3]: m._init_flat_weights()
-
-@patch
-def copies_differ(self:ModelCast,
-    slots:list, # `CastSlot`s or `CastPair`s
-) -> list: # A bool per slot
-    "Which of `slots` hold a copy that differs from its original cast to 16 bits, with one host sync for all"
-    if not slots: return []
-    dev = slots[0].copy.device # one sync, also for a model spread over several devices
-    return torch.stack([(s.copy != s.original.to(s.copy.dtype)).any().to(dev) for s in slots]).tolist()
-
-# %% ../nbs/00_cast.ipynb #32f0a83d
-@patch
-def sync_copies(self:ModelCast) -> None:
-    "Copy the originals' values into the 16-bit copies"
-    _,copies,originals,*_ = self._lists
-    if copies:
-        with torch.no_grad(): torch._foreach_copy_(copies, originals)
-
-# %% ../nbs/00_cast.ipynb #007ee08a
-@patch
-def rest(self:ModelCast) -> None:
-    "Put the FP32 originals in the model until its next forward, hooks armed: writes to its weights meanwhile reach them"
-    if not self.cast or self.resting: return
-    self._put('original')
-    self.resting = True
-
-# %% ../nbs/00_cast.ipynb #a2159dc7
-@patch
-def wake(self:ModelCast) -> None:
-    "Put the copies in again, re-synced from the originals (values and `requires_grad`): what the next forward calls"
-    if not (self.cast and self.resting): return
-    self._unroute_grads()
-    self.agree_requires_grad()
-    self.sync_copies()
-    self._put('copy')
-    self.resting = False
-
-# %% ../nbs/00_cast.ipynb #96b095af
-@patch
-def agree_requires_grad(self:ModelCast) -> None:
-    "Give each copy and its original the `requires_grad` of whichever side changed it since they last agreed"
-    pairs,agreed = self._lists[0],self._lists[4]
-    for i,c in enumerate(pairs):
-        a,b = c.copy.requires_grad,c.original.requires_grad
-        if a != b:
-            if a != agreed[i]: c.original.requires_grad_(a) # the copy's side changed (during a forward, or GANTrainer's switch)
-            else: c.copy.requires_grad_(b)                  # the original's side changed (`freeze`, or a write at rest)
-        agreed[i] = c.copy.requires_grad
-
-# %% ../nbs/00_cast.ipynb #ed93a3a3
-def _grad_to_original(pair, copy):
-    g,copy.grad = copy.grad,None
-    g,o = g.to(pair.original.dtype),pair.original
-    o.grad = g if o.grad is None else o.grad + g
-
-@patch
-def route_grads(self:ModelCast) -> None:
-    "Until the next `wake`: gradients that reach the copies go on to their originals, which the resting model holds"
-    self._unroute_grads()
-    for c in self._lists[0]:
-        if c.copy.requires_grad: self.grad_routes.append(c.copy.register_post_accumulate_grad_hook(partial(_grad_to_original, c)))
-
-@patch
-def _unroute_grads(self:ModelCast) -> None:
-    for h in self.grad_routes: h.remove()
-    self.grad_routes = []
-
-# %% ../nbs/00_cast.ipynb #4f8ac815
-@patch
-def uncast(self:ModelCast) -> None:
-    "Put the FP32 originals in the model, with no hook of ours: it pickles as a plain model (`recast` returns to the state before)"
-    self._disarm()
-    self._unhook_state_dicts()
-
-@patch
-def _disarm(self:ModelCast) -> None:
-    self._put('original') # even when not `cast`: a recast interrupted after its swap has put the copies in
-    for h in self.hooks: h.remove()
-    self.hooks,self.cast = [],False
-    self._versions = [o._version for o in self._lists[2]] # what `_resume` compares: was an original written meanwhile?
-
-# %% ../nbs/00_cast.ipynb #5126815a
-@patch
-def recast(self:ModelCast) -> None:
-    "Arm the hooks again, with the 16-bit copies re-synced from the originals and in the model (unless `resting`)"
-    if self.cast: return
-    self._hook_state_dicts()
-    self._resume()
-
-@patch
-def _resume(self:ModelCast) -> None:
-    # Awake (between a forward and its backward, or in validation), the copies go back in as they were unless an
-    # original was written meanwhile (a load): re-syncing them after a mere save would change tensors autograd saved
-    if not self.resting and self._originals_written(): self.sync_copies()
-    self._swap_in()
-
-@patch
-def _originals_written(self:ModelCast) -> bool:
-    "Whether an in-place write (`copy_`, `load_state_dict`) reached an original since the hooks were taken off"
-    before = getattr(self, '_versions', None)
-    return before is None or before != [o._version for o in self._lists[2]]
-
-@patch
-def _swap_in(self:ModelCast) -> None:
-    "Put the dtype hooks in, and the copies unless `resting`, all or none"
-    try:
-        _hook_dtypes(self, list({id(s.module):s.module for s in self.params}.values()))
-        if not self.resting: self._put('copy')
-    except BaseException:
-        for h in self.hooks: h.remove()
-        self.hooks = []
-        raise
-    self.cast = True
-
-# %% ../nbs/00_cast.ipynb #854a9e25
-@patch
-def restore(self:ModelCast) -> None:
-    "Put the FP32 originals back for good, without the hooks, and no 16-bit tensor the fit left behind"
-    self.uncast()
-    if self.model is not None: # e.g. fastai's WeightDropout sets its LSTM's `weight_hh_l0` from the 16-bit copy at each forward
-        for m in self.model.modules():
-            for k,v in list(vars(m).items()):
-                if k == '_flat_weights': continue
-                if isinstance(v, dict): # a buffer the forward set from a 16-bit activation (`_buffers`), or a dict of the module's
-                    for kk,o in list(v.items()):
-                        if (id(m), k, kk) not in self.attrs16 and _has_16bit(o): v[kk] = cast_floats(o, torch.float32)
-                elif (id(m), k) not in self.attrs16 and _has_16bit(v): setattr(m, k, cast_floats(v, torch.float32))
-    self._unroute_grads()
-    self.params,self.kept,self.model,self.resting = [],[],None,False
-    self.__dict__.pop('_lists', None)
-
-# %% ../nbs/00_cast.ipynb #905a82b8
+# %% ../nbs/00_cast.ipynb #d4f6aa1c
 def cast_floats(
     x, # A tensor, or a container of them: tuple, namedtuple, list, dict and their subclasses, `PackedSequence`
     dtype:torch.dtype, # What the floating-point tensors become
@@ -380,109 +185,159 @@ def cast_floats(
         return res
     return x
 
+# %% ../nbs/00_cast.ipynb #b928fb9a
+class CastRole(Enum):
+    "What the hooks do at a module of a cast model, besides casting the weights for the outermost call"
+    PLAIN = 'nothing more'
+    CAST_INPUT = 'owns cast parameters: its floating-point inputs become 16-bit'
+    FP32_INPUT = 'kept in FP32 by the user: FP32 inputs, FP32 output'
+    FP32_NORM = 'a normalization whose kernel needs FP32 input: FP32 inputs, 16-bit output'
 
-class _OwnHook:
-    "A hook of ours. Copied (`copy.deepcopy` of the model, for an EMA) or pickled, it becomes a no-op of the standard library"
-    def __init__(self, fn): self.fn = fn
-    def __call__(self, *args): return self.fn(*args)
-    # `logging`'s debug of a logger nobody enables: takes any arguments, returns None, and pickles by name, so a copy
-    # carries nothing of the fit and loads without mpcallbacks
-    def __reduce__(self): return (getattr, (logging.getLogger('mpcallbacks.inert_hook'), 'debug'))
-
-def _hook_dtypes(mc:ModelCast, cast_modules:list) -> None:
-    "Into `mc.hooks`: the hooks that wake the copies and rest them, cast the inputs of `cast_modules` and keep `mc.kept` in FP32"
-    model,dtype,into = mc.model,mc.dtype,mc.hooks
-    # Each acts on its own module only, and a deep copy of the model (an EMA) gets no-ops instead (`_OwnHook`): the
-    # copy is a plain model, which pickles and loads without mpcallbacks.
-    mine,kept = {id(m) for m in cast_modules},{id(m) for m in mc.kept}
-    # A parametrization runs when its weight is read (`layer.weight`, outside any forward too): it wakes nothing, and
-    # at rest it computes from the FP32 originals
-    waking = {id(m) for m in cast_modules if not isinstance(m, ParametrizationList)}
-    def wake_for(m):
-        mc.wake()
-        if not mc.rest_after_forward: return
-        h = None # a forward outside a batch (samples drawn at the end of an epoch): when this call returns, FP32 out and rest
-        def done(m_, args, out):
-            h.remove()
-            if h in into: into.remove(h) # one handle per such call: none piles up over a fit
-            if not mc.rest_after_forward: return None # (left from a call that raised, and now inside a batch)
-            mc.rest() # so that a write after it (a clamp in the same callback) reaches the masters, as in FP32
-            if torch.is_grad_enabled(): mc.route_grads() # and a backward through it fills the gradients of the model it holds
-            return cast_floats(out, torch.float32)
-        h = m.register_forward_hook(_OwnHook(done))
-        into.append(h)
-    def woken(m, args):
-        if m is model and mc.resting: wake_for(m)
-    def to_16(m, args, kwargs):
-        if id(m) not in mine: return None
-        if mc.resting and id(m) in waking: wake_for(m) # also for a sub-model called directly (a GAN's critic, from the loss)
-        return cast_floats(args, dtype),cast_floats(kwargs, dtype)
-    def in_32(m, args, kwargs): return (cast_floats(args, torch.float32),cast_floats(kwargs, torch.float32)) if id(m) in kept else None
-    def out_16(m, args, out): return cast_floats(out, dtype) if id(m) in kept else None
-    # Each handle goes into `into` as soon as it exists, so an interrupt part way leaves none unaccounted for. The
-    # copies go in before any hook of the module's own runs (`weight_norm`'s computes the weight from them).
-    if model is not None: into.append(model.register_forward_pre_hook(_OwnHook(woken), prepend=True))
-    for m in cast_modules: into.append(m.register_forward_pre_hook(_OwnHook(to_16), with_kwargs=True, prepend=True))
-    for m in mc.kept:
+def _roles(model, kept_tops, slots) -> dict:
+    "`id(module) -> CastRole` for every module of `model`"
+    res = {id(m):CastRole.PLAIN for m in model.modules()}
+    res.update({id(m):CastRole.CAST_INPUT for _,m,_,_ in slots})
+    for m in kept_tops:
         if isinstance(m, norms_taking_16bit_input): continue
-        into.append(m.register_forward_pre_hook(_OwnHook(in_32), with_kwargs=True))
         # a normalization hands 16-bit output on; a module the user keeps by name or type, FP32 (a head predicts in FP32)
-        if keeps_fp32('', m): into.append(m.register_forward_hook(_OwnHook(out_16)))
-
-# %% ../nbs/00_cast.ipynb #26787222
-@patch
-def _hook_state_dicts(self:ModelCast) -> None:
-    m = self.model
-    # Public from torch 2.5; before, the private ones take the same hooks (`with_module=True`: the module comes first)
-    post_hook = getattr(m, 'register_state_dict_post_hook', None) or m._register_state_dict_hook
-    pre_load = getattr(m, 'register_load_state_dict_pre_hook', None) or partial(m._register_load_state_dict_pre_hook, with_module=True)
-    # `_OwnHook`s, as for the forward hooks: torch marks its hooks with an attribute (a bound method takes none), and a
-    # copy of the model gets no-ops (a shallow copy shares them, where they do nothing: each checks its module)
-    self.state_hooks = [post_hook(_OwnHook(self._fp32_state)), pre_load(_OwnHook(self._before_load)),
-                        m.register_load_state_dict_post_hook(_OwnHook(self._after_load))]
-
-@patch
-def _unhook_state_dicts(self:ModelCast) -> None:
-    for h in self.state_hooks: h.remove()
-    self.state_hooks = []
-
-@patch
-def _fp32_state(self:ModelCast, module, state_dict, prefix, local_metadata):
-    "While cast, the model's state dict holds the FP32 originals"
-    if module is not self.model or not self.cast: return
-    for s in self.params:
-        k = prefix + s.key
-        if k in state_dict: state_dict[k] = s.original if isinstance(state_dict[k], nn.Parameter) else s.original.detach()
-
-@patch
-def _before_load(self:ModelCast, module, *args):
-    "While cast, loading writes into the FP32 originals"
-    self._reload = module is self.model and self.cast
-    if self._reload: self._disarm() # the state-dict hooks stay: torch is running them
-
-@patch
-def _after_load(self:ModelCast, module, incompatible_keys):
-    if getattr(self, '_reload', False) and module is self.model: self._resume()
-    self._reload = False
-
-# %% ../nbs/00_cast.ipynb #163d1c03
-def cast_model(
-    model:nn.Module, # The FP32 model to cast
-    dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`
-    keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
-) -> ModelCast: # What was swapped, to `uncast`, `recast` or `restore` it
-    "Swap the floating-point parameters of `model` (but the `keep` modules') for `dtype` copies"
-    kept_tops,plan = _checked_plan(model, keep) # the checks of `check_castable`, and the plan they looked at
-    res,copies = ModelCast(kept=kept_tops, model=model, dtype=dtype, cast=False),{}
-    kept_mods = {id(m_) for m in kept_tops for m_ in m.modules()}
-    with torch.no_grad():
-        for q,m,n,p in plan:
-            if id(p) not in copies: copies[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-            res.params.append(CastSlot(m, n, copies[id(p)], p, q))
-    res.attrs16 = _attrs16(model)
-    res._swap_in()
-    res._hook_state_dicts()
+        res[id(m)] = CastRole.FP32_NORM if keeps_fp32('', m) else CastRole.FP32_INPUT
     return res
+
+# %% ../nbs/00_cast.ipynb #5525acbe
+class ModelCast:
+    "A model whose forward runs on 16-bit casts of its FP32 parameters while casting is on; the parameters stay the masters"
+    def __init__(self,
+        model:nn.Module, # The FP32 model
+        dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`
+        keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
+    ):
+        kept_tops,plan = _checked_plan(model, keep)
+        self.model,self.dtype,self.kept = model,dtype,kept_tops
+        self.masters = list({id(p):p for *_,p in plan}.values()) # Each cast parameter once (tied weights once), model order
+        index = {id(p):i for i,p in enumerate(self.masters)}
+        self.slots = [(m, n, index[id(p)]) for _,m,n,p in plan] # (module, slot name, index into `masters`) of each slot
+        self.rnns = [m for m in {id(m):m for m,*_ in self.slots}.values() if hasattr(m, '_init_flat_weights')]
+        self.modules = list(model.modules())
+        self.roles = _roles(model, kept_tops, plan)
+        self.attrs16 = _attrs16(model) # 16-bit tensors the model held before: `restore` leaves them alone
+        self.active = False # Whether forwards cast (the owner's setting)
+        self.depth = 0 # How many calls of the model's modules are running, while casting
+        self._casts = {} # id(master) -> (its version, whether the cast carries autograd, the cast)
+
+    def __repr__(self): return f"{type(self).__name__}({len(self.masters)} masters to {self.dtype}, active={self.active})"
+
+    @property
+    def device(self) -> torch.device: # Where the first cast parameter lives
+        "The device of the cast model (of its first cast parameter, for a model spread over several)"
+        return self.masters[0].device
+
+    def begin(self) -> None:
+        "Forwards from now on run on 16-bit casts, each made once until `drop_casts` or `end`"
+        self.active = True
+
+    def end(self) -> None:
+        "Forwards run in FP32 again, and the casts are freed"
+        self.active = False
+        self.drop_casts()
+
+    def drop_casts(self) -> None:
+        "Forget the casts (the masters changed): the next forward casts again"
+        self._casts = {}
+
+# %% ../nbs/00_cast.ipynb #810cd701
+@patch
+def _cast_of(self:ModelCast, p:Tensor) -> Tensor:
+    graph = p.requires_grad and torch.is_grad_enabled()
+    e = self._casts.get(id(p))
+    if e is None or e[0] != p._version or (e[1] != graph and torch.is_grad_enabled()):
+        e = self._casts[id(p)] = (p._version, graph, p.to(self.dtype))
+    return e[2]
+
+@patch
+def _put(self:ModelCast, tensors:list) -> None:
+    "Put `tensors` (one per master) into every slot"
+    for m,n,i in self.slots: m._parameters[n] = tensors[i]
+    for m in self.rnns: m._init_flat_weights() # RNNs cache a list of their weights, which `_parameters` leaves stale
+
+# %% ../nbs/00_cast.ipynb #176ad439
+@patch
+def _pre(self:ModelCast, m:nn.Module, args:tuple):
+    if not self.active: return None
+    if self.depth == 0: self._put([self._cast_of(p) for p in self.masters])
+    self.depth += 1
+    role = self.roles[id(m)]
+    if role is CastRole.CAST_INPUT: return cast_floats(args, self.dtype)
+    if role is CastRole.FP32_INPUT or role is CastRole.FP32_NORM: return cast_floats(args, torch.float32)
+    return None
+
+@patch
+def _post(self:ModelCast, m:nn.Module, out):
+    if self.depth == 0: return None # a call that did not cast (casting was off)
+    self.depth -= 1
+    if self.depth == 0:
+        self._put(self.masters)
+        _note_dtype_clash(sys.exc_info()[1])
+    return cast_floats(out, self.dtype) if self.roles[id(m)] is CastRole.FP32_NORM else None
+
+# %% ../nbs/00_cast.ipynb #a6a5dd39
+_16bit_names = re.compile(r'BFloat16|Half|bfloat16|float16')
+_fp32_names = re.compile(r'\b[Ff]loat\b|float32')
+_clash_note = ("to_mixed: an FP32 tensor met a 16-bit one in the forward. Each module with 16-bit weights has its "
+    "positional inputs cast, but a tensor made inside a `forward` (torch.zeros, torch.linspace, `.float()`, an FP32 "
+    "buffer) or passed as a keyword argument, and combined with a 16-bit weight or activation in an op that does not "
+    "promote (a matmul, an indexed write), is used as made: make it with the dtype of what it meets (`.to(x.dtype)`, "
+    "`dtype=self.weight.dtype`), or keep the module whose forward does this in FP32 with `to_mixed(keep_fp32=['its name'])`.")
+
+def _note_dtype_clash(e) -> None:
+    "Say, on torch's dtype-mismatch error from a 16-bit forward, what causes it and what to do (from Python 3.11)"
+    if not isinstance(e, RuntimeError) or not hasattr(e, 'add_note') or _clash_note in getattr(e, '__notes__', ()): return
+    msg = str(e)
+    if 'type' in msg and _16bit_names.search(msg) and _fp32_names.search(msg): e.add_note(_clash_note)
+
+# %% ../nbs/00_cast.ipynb #df5368a5
+_by_module = {} # id(module) -> the `ModelCast` of the model that holds it, while cast
+_global_hooks = [] # handles of the two global hooks, while `_by_module` is not empty
+
+def _pre_hook(m, args):
+    mc = _by_module.get(id(m))
+    return None if mc is None else mc._pre(m, args)
+
+def _post_hook(m, args, out):
+    mc = _by_module.get(id(m))
+    return None if mc is None else mc._post(m, out)
+
+@patch
+def _register(self:ModelCast) -> None:
+    taken = [m for m in self.modules if id(m) in _by_module]
+    if taken: raise ValueError(f"A module of this model ({type(taken[0]).__name__}) is already cast for another fit: one "
+                               "module can train in one mixed-precision fit at a time.")
+    if not _global_hooks: _global_hooks.extend([register_module_forward_pre_hook(_pre_hook),
+                                                register_module_forward_hook(_post_hook, always_call=True)])
+    _by_module.update({id(m):self for m in self.modules})
+
+@patch
+def _unregister(self:ModelCast) -> None:
+    for m in self.modules:
+        if _by_module.get(id(m)) is self: del _by_module[id(m)]
+    if not _by_module:
+        for h in _global_hooks: h.remove()
+        _global_hooks.clear()
+
+# %% ../nbs/00_cast.ipynb #9f5f4d2b
+@patch
+def restore(self:ModelCast) -> None:
+    "Masters in every slot for good, no hook of ours, and no 16-bit tensor a forward left in the model's attributes"
+    self.active,self.depth = False,0
+    self._put(self.masters)
+    self._unregister()
+    self.drop_casts()
+    for m in self.modules:
+        for k,v in list(vars(m).items()):
+            if k == '_flat_weights': continue
+            if isinstance(v, dict): # a buffer the forward set from a 16-bit activation (`_buffers`), or a dict of the module's
+                for kk,o in list(v.items()):
+                    if (id(m), k, kk) not in self.attrs16 and _has_16bit(o): v[kk] = cast_floats(o, torch.float32)
+            elif (id(m), k) not in self.attrs16 and _has_16bit(v): setattr(m, k, cast_floats(v, torch.float32))
 
 def _has_16bit(v) -> bool:
     "Whether `v` is a 16-bit tensor, or a list, tuple or dict that holds one (an RNN's hidden state)"
@@ -497,4 +352,15 @@ def _attrs16(model) -> set:
         for k,v in vars(m).items():
             if isinstance(v, dict): res |= {(id(m), k, kk) for kk,o in v.items() if _has_16bit(o)} # `_buffers` among them
             elif _has_16bit(v): res.add((id(m), k))
+    return res
+
+# %% ../nbs/00_cast.ipynb #bf1924f5
+def cast_model(
+    model:nn.Module, # The FP32 model to cast
+    dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`
+    keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
+) -> ModelCast: # The cast, off until `begin`; `restore` ends it
+    "Cast the floating-point parameters of `model` (but the `keep` modules') to `dtype` for its forward"
+    res = ModelCast(model, dtype, keep)
+    res._register()
     return res

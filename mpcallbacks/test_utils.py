@@ -55,16 +55,16 @@ def opt_params(learn:Learner) -> list: # Every parameter of `learn.opt`, group b
 
 # %% ../nbs/97_test_utils.ipynb #44c779c7
 class InjectNonFinite(Callback):
-    "Put an inf (or NaN) into one gradient at the chosen optimizer steps, before mixed precision reads the gradients"
+    "Put an inf (or NaN) into one gradient at the chosen optimizer steps, before mixed precision checks the gradients"
     order = MasterMixedPrecision.order - 1
     def __init__(self,
-        at, # Optimizer steps (counted from 0 over the callback's life) that get the value
+        at, # Optimizer steps (counted from 0 over the callback's life, each batch that reaches `before_step`) that get the value
         value:float=float('inf'), # What to write
     ): self.at,self.value,self.step = set(at),value,0
-    def before_step(self):
-        "Write the value into the first element of the first gradient, at a chosen step"
+    def after_backward(self):
+        "Write the value into the first element of the first gradient, in a backward of a chosen step"
         if self.step in self.at: next(p for p in self.model.parameters() if p.grad is not None).grad.view(-1)[0] = self.value
-        self.step += 1
+    def before_step(self): self.step += 1
 
 # %% ../nbs/97_test_utils.ipynb #8c9e5384
 sync_methods = ('item', '__bool__', '__float__', '__int__', 'tolist') # each copies a device value to the host
