@@ -6,7 +6,7 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/callback.html.md"""
 
 # %% ../nbs/03_callback.ipynb #fed1545d
 from __future__ import annotations
-import sys
+import copy, sys
 from contextlib import contextmanager
 from fastai.basics import *
 from .cast import always_fp32, as_16bit_dtype, warn_if_slow, cast_floats
@@ -59,6 +59,13 @@ class MasterMixedPrecision(Callback):
         if fit is None and event_name != 'before_fit': return None
         if fit is not None and event_name not in _step_events and fit.grads.phase is GradPhase.STEPPING: self._stepped()
         return super().__call__(event_name)
+
+    def __reduce__(self): return (Callback, ()) # pickled (`learn.export`): a plain fastai `Callback`, so the export predicts in FP32 and loads without mpcallbacks
+
+    def __deepcopy__(self, memo): # (a deep copy is a copy, not what a pickle holds)
+        res = memo[id(self)] = object.__new__(type(self))
+        for k,v in self.__dict__.items(): object.__setattr__(res, k, copy.deepcopy(v, memo))
+        return res
 
     def __setattr__(self, name, value):
         # fastai's `remove_cb` sets `learn` to None: removed in the middle of a fit, mixed precision ends there and the fit

@@ -15,6 +15,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook, register_m
 import copy, re, sys, warnings
 from torch.nn.utils.rnn import PackedSequence
 from torch.nn.utils import parametrizations
+from torch.nn.utils.parametrize import ParametrizationList
 import importlib
 from fastcore.basics import patch
 
@@ -217,7 +218,9 @@ class ModelCast:
         index = {id(p):i for i,p in enumerate(self.masters)}
         self.slots = [(m, n, index[id(p)]) for _,m,n,p in plan] # (module, slot name, index into `masters`) of each slot
         self.rnns = [m for m in {id(m):m for m,*_ in self.slots}.values() if hasattr(m, '_init_flat_weights')]
+        self.sparse = {id(self.masters[i]) for m,_,i in self.slots if getattr(m, 'sparse', False) is True} # `Embedding(sparse=True)`'s
         self.modules = list(model.modules())
+        self.parametrizations = {id(m) for m in self.modules if isinstance(m, ParametrizationList)} # read outside a forward: FP32
         self.roles = _roles(model, kept_tops, plan)
         self.attrs16 = _attrs16(model) # 16-bit tensors the model held before: `restore` leaves them alone
         self.active = False # Whether forwards cast (the owner's setting)
@@ -245,12 +248,20 @@ class ModelCast:
         self._casts = {}
 
 # %% ../nbs/00_cast.ipynb #810cd701
+class _SparseGradCast(torch.autograd.Function):
+    "A cast whose backward hands a sparse gradient on as sparse (that of `Tensor.to` refuses to change the layout)"
+    @staticmethod
+    def forward(ctx, x, dtype): return x.to(dtype)
+    @staticmethod
+    def backward(ctx, g): return g.to(torch.float32),None
+
 @patch
 def _cast_of(self:ModelCast, p:Tensor) -> Tensor:
     graph = p.requires_grad and torch.is_grad_enabled()
     e = self._casts.get(id(p))
     if e is None or e[0] != p._version or (e[1] != graph and torch.is_grad_enabled()):
-        e = self._casts[id(p)] = (p._version, graph, p.to(self.dtype))
+        w = _SparseGradCast.apply(p, self.dtype) if id(p) in self.sparse else p.to(self.dtype)
+        e = self._casts[id(p)] = (p._version, graph, w)
     return e[2]
 
 @patch
@@ -263,7 +274,9 @@ def _put(self:ModelCast, tensors:list) -> None:
 @patch
 def _pre(self:ModelCast, m:nn.Module, args:tuple):
     if not self.active: return None
-    if self.depth == 0: self._put([self._cast_of(p) for p in self.masters])
+    if self.depth == 0:
+        if id(m) in self.parametrizations: return None # a weight read outside a forward computes from the masters
+        self._put([self._cast_of(p) for p in self.masters])
     self.depth += 1
     role = self.roles[id(m)]
     if role is CastRole.CAST_INPUT: return cast_floats(args, self.dtype)

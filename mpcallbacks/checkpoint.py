@@ -6,10 +6,11 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/checkpoint.html.md"""
 
 # %% ../nbs/05a_checkpoint.ipynb #71212ccb
 from __future__ import annotations
-import copy, os
+import os
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from fastai.basics import *
+import copy # (after fastai's star import, which brings `copy.copy` in as `copy`)
 from .scaler import LossScaler
 
 # %% auto #0

@@ -26,7 +26,10 @@ class MixedFit:
     ):
         self.learn,self.dtype,self.keep = learn,dtype,keep
         self.cast = cast_model(learn.model, dtype, keep) if cast else None # The model's cast for the forward
-        self.grads,self.ranks = MasterParams([]),RankAgreement()
+        try: self.grads,self.ranks = MasterParams([]),RankAgreement()
+        except BaseException: # nothing of a fit that did not start stays behind (an interrupt, an error)
+            if self.cast is not None: self.cast.restore()
+            raise
         self.nested = 0 # `before_fit`s dispatched inside this fit (`get_preds` from a callback): their `after_fit` is not the end
         self._outer = [] # whether casting was on when each running validation pass began
 

@@ -1,5 +1,6 @@
 import warnings
 import pytest, torch
+import mpcallbacks.all # noqa: F401 (`Learner.to_mixed` and the checkpoint methods, for every test)
 from mpcallbacks.test_utils import synth_dls, synth_model, synth_learner, opt_params, InjectNonFinite # noqa: F401 (the tests' helpers)
 
 warnings.filterwarnings('ignore', message='float16 math is emulated')

@@ -75,3 +75,17 @@ class RaiseOnce(Callback):
         if self.done: return
         self.done = True
         raise self.exc
+
+class ForwardDtypes(Callback):
+    "The dtypes each module's own parameters and buffers have inside the forward (where the 16-bit casts live), by name"
+    order = 50
+    def __init__(self): self.seen = {}
+    def before_fit(self):
+        def look(name):
+            def f(m, args):
+                for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+                    self.seen.setdefault(f'{name}.{n}' if name else n, set()).add(t.dtype)
+            return f
+        self.handles = [m.register_forward_pre_hook(look(n)) for n, m in self.learn.model.named_modules() if n]
+    def after_fit(self):
+        for h in self.handles: h.remove()

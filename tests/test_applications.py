@@ -186,9 +186,10 @@ def test_family_trains_as_in_fp32(name, make, epochs, lr, rtol, cos_min):
 class ConvWeightFormat(Callback):
     "The first conv weight's dtype and whether it is channels-last, as the forward of each training batch sees it"
     def __init__(self): self.seen = []
-    def after_pred(self):
-        w = self.learn.model[0][0].weight
-        if self.training: self.seen.append((w.dtype, w.is_contiguous(memory_format=torch.channels_last)))
+    def before_fit(self): self.hook = self.learn.model[0][0].register_forward_pre_hook(self.look)
+    def look(self, m, args):
+        if self.training: self.seen.append((m.weight.dtype, m.weight.is_contiguous(memory_format=torch.channels_last)))
+    def after_fit(self): self.hook.remove()
 
 def test_channels_last_copies_and_masters_keep_the_memory_format():
     "The 16-bit copies the forward uses are channels-last, as are the FP32 masters the fit leaves, as in FP32 with `ChannelsLast`"

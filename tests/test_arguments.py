@@ -10,7 +10,7 @@ from test_casting_is_atomic import snapshot, assert_exactly_as_before
 from intact import assert_at_rest, hook_ids
 
 bad = [(dict(growth_interval=True), 'growth_interval'),
-       (dict(check_drift='no'), 'check_drift'),
+       (dict(mixed_inference='no'), 'mixed_inference'),
        (dict(loss_scale=None, init_scale=-5), 'init_scale'),
        (dict(loss_scale=1024., init_scale=512.), 'init_scale'), # init_scale only applies to dynamic scaling
        (dict(growth_factor=math.inf), 'growth_factor'),

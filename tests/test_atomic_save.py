@@ -1,4 +1,4 @@
-"`learn.save` and `learn.export` replace a good file atomically: a failure or a SIGKILL part way through leaves the previous file intact."
+"`learn.save_atomic` and `learn.export_atomic` replace a good file atomically: a failure or a SIGKILL part way through leaves the previous file intact."
 import os, random, signal, subprocess, sys, textwrap, time
 import pytest, torch
 from fastai.basics import load_learner
@@ -22,7 +22,7 @@ def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch
     good = [p.detach().clone() for p in learn.model.parameters()]
     learn.fit(1, 1e-2)
     monkeypatch.setattr(torch, 'save', partial_write_then_disk_full)
-    with pytest.raises(OSError): learn.save('ck', with_opt=True)
+    with pytest.raises(OSError): learn.save_atomic('ck', with_opt=True)
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path/'models')) == ['ck.pth'], "a temporary file was left behind"
     other = synth_learner(path=tmp_path, seed=1).to_mixed(torch.bfloat16)
@@ -34,11 +34,11 @@ def test_failed_export_leaves_the_previous_export_intact(tmp_path, monkeypatch):
     learn = block_learner().to_mixed(torch.bfloat16)
     learn.path = tmp_path
     learn.fit(1, 1e-2)
-    learn.export('export.pkl')
+    learn.export_atomic('export.pkl')
     good = [p.detach().clone() for p in learn.model.parameters()]
     learn.fit(1, 1e-2)
     monkeypatch.setattr(torch, 'save', partial_write_then_disk_full)
-    with pytest.raises(OSError): learn.export('export.pkl')
+    with pytest.raises(OSError): learn.export_atomic('export.pkl')
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ['export.pkl'], "a temporary file was left behind"
     loaded = load_learner(tmp_path/'export.pkl')
@@ -54,9 +54,9 @@ saver = textwrap.dedent('''
     model = nn.Sequential(nn.Linear(1000, 4000), nn.Linear(4000, 1)) # 16 MB of FP32 weights
     ds = [(torch.zeros(1000), torch.zeros(1))]
     learn = Learner(DataLoaders.from_dsets(ds, ds, bs=1), model, loss_func=MSELossFlat(), path=sys.argv[1]).to_mixed(torch.bfloat16)
-    learn.save('ck', with_opt=False) # the good checkpoint
+    learn.save_atomic('ck', with_opt=False) # the good checkpoint
     print('ready', flush=True)
-    while True: learn.save('ck', with_opt=False) # the same weights, over and over
+    while True: learn.save_atomic('ck', with_opt=False) # the same weights, over and over
 ''')
 
 def test_sigkill_during_save_never_leaves_an_unloadable_checkpoint(tmp_path):

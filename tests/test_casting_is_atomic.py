@@ -87,8 +87,12 @@ def test_cast_model_out_of_memory_part_way_leaves_model_as_before(where):
         with out_of_memory(): cast = cast_model(model, torch.bfloat16)
         assert model[2].s is dict((n, t) for n, t, _ in snap['ts'])['2.s'] and model[2].s.dtype == torch.float32
         cast.restore()
-    else:
-        with out_of_memory(), pytest.raises(RuntimeError, match='out of memory'): cast_model(model, torch.bfloat16)
+    else: # the casts are made at the first forward, every one before any goes in: the fault leaves the masters in
+        cast = cast_model(model, torch.bfloat16)
+        cast.begin()
+        with out_of_memory(), pytest.raises(RuntimeError, match='out of memory'): model(torch.randn(2, 1, 8, 8))
+        assert all(a is b for a, b in zip(model.parameters(), [t for _, t, _ in snap['ts'] if isinstance(t, nn.Parameter)]))
+        cast.restore()
     assert_exactly_as_before(model, snap)
     assert model(torch.randn(2, 1, 8, 8)).dtype == torch.float32 # a working FP32 model
 
@@ -144,12 +148,12 @@ def test_ctrl_c_during_recast_after_mid_fit_save_leaves_learner_intact(tmp_path,
 
 @pytest.mark.parametrize('exc', [RuntimeError('out of memory'), KeyboardInterrupt()], ids=['error', 'ctrl-c'])
 def test_a_fit_whose_masters_cannot_be_built_leaves_learner_intact(exc, monkeypatch):
-    "The cast succeeded, then building what holds the masters failed: the cast is undone before the error goes on"
+    "The cast succeeded, then building the rest of the fit's state failed: the cast is undone before the error goes on"
     import mpcallbacks.mixed_fit
     learn = synth_learner().to_mixed(torch.bfloat16)
     snap = snapshot(learn.model)
     def failing(*args, **kwargs): raise exc
-    monkeypatch.setattr(mpcallbacks.mixed_fit.MixedFit, 'master_type', failing)
+    monkeypatch.setattr(mpcallbacks.mixed_fit, 'RankAgreement', failing)
     with pytest.raises(type(exc)): learn.fit(1, 1e-3)
     assert_exactly_as_before(learn.model, snap)
     monkeypatch.undo()

@@ -1,4 +1,4 @@
-"Checkpoints: the scaler entry is validated with our own clear error and nothing half-loaded; the learner's mode wins; growth resumes; Ctrl-C is never swallowed."
+"Checkpoints: `learn.load_checked` validates the scaler entry with our own clear error and loads nothing half-way; the learner's mode wins; growth resumes; Ctrl-C is never swallowed."
 import copy, math, warnings
 import pytest, torch
 from fastai.basics import Callback
@@ -45,7 +45,7 @@ def test_bad_scaler_entry_fails_clearly_and_loads_nothing(tmp_path, key, value):
     hooks, before = hook_ids(learn.model), state_of(learn)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
-        with pytest.raises((ValueError, TypeError), match=key): run_or_timeout(learn.load, 'ck', with_opt=True)
+        with pytest.raises((ValueError, TypeError), match=key): run_or_timeout(learn.load_checked, 'ck', with_opt=True)
     assert not [x for x in w if 'Could not load the optimizer state' in str(x.message)], "fastai's misleading warning"
     assert_same_learner_state(before, state_of(learn)) # nothing half-loaded
     assert_fp32_and_intact(learn, hooks)
@@ -83,6 +83,6 @@ def test_ctrl_c_inside_load_is_not_swallowed(tmp_path, monkeypatch):
     hooks = hook_ids(learn.model)
     def interrupted(self, sd): raise KeyboardInterrupt
     monkeypatch.setattr(Optimizer, 'load_state_dict', interrupted)
-    with pytest.raises(KeyboardInterrupt): run_or_timeout(learn.load, 'ck', with_opt=True)
+    with pytest.raises(KeyboardInterrupt): run_or_timeout(learn.load_checked, 'ck', with_opt=True)
     monkeypatch.undo()
     assert_fp32_and_intact(learn, hooks)

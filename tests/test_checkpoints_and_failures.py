@@ -72,7 +72,7 @@ class InjectAt(Callback):
     "An inf at chosen (epoch, iter) pairs, so the loss scale has a history worth resuming"
     order = MasterMixedPrecision.order - 1
     def __init__(self, at): self.at = set(at)
-    def before_step(self):
+    def after_backward(self):
         if (self.epoch, self.iter) in self.at: self.model[0].weight.grad.view(-1)[0] = float('inf')
 
 class Interrupt(Callback):
@@ -238,23 +238,6 @@ def test_plot_loss_scale_marks_skips():
     ax = learn.master_mixed_precision.plot_loss_scale()
     assert ax.collections[0].get_offsets().tolist() == [[1, 2.**10], [5, 2.**10]]
     assert learn.recorder.metric_names == ['epoch', 'train_loss', 'valid_loss', 'accuracy', 'time'] # fastai's columns unchanged
-
-def test_drift_check_catches_writes_to_the_16bit_model():
-    learn = synth_learner().to_mixed(check_drift=True)
-    learn.fit(1, 1e-2) # no drift in normal training
-    class WriteTo16(Callback): # during forward and backward the model holds the 16-bit copies
-        order = MasterMixedPrecision.order + 1
-        def after_pred(self):
-            if self.training and self.iter == 2:
-                self.model[0].weight.data.add_(1.) # `.data`: a write autograd does not see (`p.data.clamp_`)
-    with pytest.raises(RuntimeError, match='differ from their FP32 masters'): learn.fit(1, 1e-2, cbs=WriteTo16())
-    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
-
-def test_drift_check_catches_a_broken_copy_back(monkeypatch):
-    from mpcallbacks.cast import ModelCast
-    monkeypatch.setattr(ModelCast, 'sync_copies', lambda self: None) # the copies never follow the stepped masters
-    learn = synth_learner().to_mixed(check_drift=True)
-    with pytest.raises(RuntimeError, match='differ from their FP32 masters'): learn.fit(1, 1e-2)
 
 def our_hooks(model) -> list:
     "Every forward and state-dict hook a module of `model` holds, by type and name"

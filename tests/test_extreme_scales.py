@@ -21,7 +21,7 @@ def test_extreme_scale_in_a_checkpoint_is_refused_at_load(tmp_path, scale):
     learn.save('ck', with_opt=True)
     tamper(tmp_path/'models'/'ck.pth', scale=scale)
     hooks, before = hook_ids(learn.model), state_of(learn)
-    with pytest.raises(ValueError, match='scale'): run_or_timeout(learn.load, 'ck', with_opt=True)
+    with pytest.raises(ValueError, match='scale'): run_or_timeout(learn.load_checked, 'ck', with_opt=True)
     assert_same_learner_state(before, state_of(learn))
     assert_fp32_and_intact(learn, hooks)
 

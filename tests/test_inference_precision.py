@@ -59,9 +59,13 @@ def test_live_and_exported_learner_predict_the_same(mixed_fit, tmp_path):
 # ---- tta runs the model as get_preds does, in both settings (found by review: it always ran FP32)
 
 class ForwardDtypes(Callback):
-    "The dtypes of the model's parameters as each forward of an inference call ran them"
+    "The dtypes of the model's parameters as each forward of an inference call ran them (inside the forward)"
     def __init__(self): self.seen = set()
-    def after_pred(self): self.seen |= {p.dtype for p in self.learn.model.parameters()}
+    def before_fit(self):
+        def look(m, args): self.seen.update(p.dtype for p in m.parameters(recurse=False))
+        self.handles = [m.register_forward_pre_hook(look) for m in self.learn.model.modules()]
+    def after_fit(self):
+        for h in self.handles: h.remove()
 
 @pytest.mark.parametrize('mixed_inference', [False, True])
 def test_tta_runs_the_model_as_get_preds_does(mixed_inference):

@@ -23,7 +23,7 @@ class OneStep(Callback):
 class InfInTemperatureGrad(Callback):
     "An inf in the loss parameter's own gradient, before the mixed-precision callback looks at the gradients"
     order = MasterMixedPrecision.order - 1
-    def before_step(self): self.learn.loss_func.t.grad.fill_(float('inf'))
+    def after_backward(self): self.learn.loss_func.t.grad.fill_(float('inf'))
 
 def temperature_learner():
     loss = TemperatureLoss()

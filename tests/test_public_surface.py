@@ -11,16 +11,17 @@ def test_star_imports_leave_fastais_norm_types_alone():
     assert out.stdout.strip() == 'ok', out.stderr
 
 @pytest.mark.parametrize('module,names', [
-    ('mpcallbacks.callback', ['MasterMixedPrecision', 'OptimizerWithScaler', 'make_scaler', 'as_16bit_dtype', 'warn_if_slow']),
+    ('mpcallbacks.callback', ['MasterMixedPrecision', 'as_16bit_dtype', 'warn_if_slow']),
+    ('mpcallbacks.checkpoint', ['OptimizerWithScaler']),
     ('mpcallbacks.cast', ['cast_model', 'ModelCast', 'keeps_fp32', 'norm_types', 'mixed_input_types', 'always_fp32']),
     ('mpcallbacks.scaler', ['LossScaler', 'NonFiniteGradients', 'make_scaler']),
     ('mpcallbacks.master', ['MasterParams', 'GradPhase', 'GradPhaseError']),
     ('mpcallbacks.all', ['MasterMixedPrecision', 'LossScaler', 'cast_model', 'MasterParams', 'OptimizerWithScaler', 'RankAgreement']),
 ])
 def test_old_and_new_names_import(module, names):
-    code = f"from {module} import {', '.join(names)}"
-    if module in ('mpcallbacks.callback', 'mpcallbacks.all'): # the callback brings `Learner.to_mixed` with it
-        code += "\nfrom fastai.basics import Learner\nassert hasattr(Learner, 'to_mixed')"
+    code = f"from {module} import {', '.join(names)}\nfrom fastai.basics import Learner\n"
+    # only `mpcallbacks.learner` (which `mpcallbacks.all` imports) changes fastai's Learner
+    code += f"assert hasattr(Learner, 'to_mixed') == {module == 'mpcallbacks.all'}"
     out = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 
@@ -36,11 +37,11 @@ def test_scaler_arguments_are_declared_once_and_reach_to_mixed_with_their_docs()
         for a in scaler_args: assert params[a].default == inspect.signature(LossScaler).parameters[a].default, (f, a)
     docs = docments(Learner.to_mixed, full=True)
     assert all(docs[a]['docment'] == docments(LossScaler, full=True)[a]['docment'] for a in scaler_args)
-    assert {'dtype', 'loss_scale', 'keep_fp32', 'check_drift'} <= set(inspect.signature(Learner.to_mixed).parameters)
+    assert {'dtype', 'loss_scale', 'keep_fp32', 'mixed_inference'} <= set(inspect.signature(Learner.to_mixed).parameters)
 
 def test_to_mixed_keeps_its_keyword_arguments_and_readouts():
     learn = synth_learner().to_mixed(torch.bfloat16, loss_scale='dynamic', init_scale=2.**10, growth_factor=2., backoff_factor=.5,
-                                      growth_interval=7, min_scale=2., max_consecutive_skips=30, keep_fp32=(), check_drift=True)
+                                      growth_interval=7, min_scale=2., max_consecutive_skips=30, keep_fp32=(), mixed_inference=False)
     mmp = learn.master_mixed_precision
     assert (mmp.loss_scale, mmp.skipped, mmp.scaler.growth_interval, mmp.scaler.min_scale) == (2.**10, 0, 7, 2.)
     learn.fit(1, 1e-2)
@@ -66,3 +67,15 @@ def test_fastais_to_fp32_removes_ours_too(fastai_first):
              "print('ok')")
     out = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True)
     assert out.stdout.strip() == 'ok', out.stderr
+
+def test_importing_the_callback_changes_nothing_of_fastai():
+    "Only `mpcallbacks.checkpoint` and `mpcallbacks.learner` change fastai's `Learner`: the callback, the cast and the scaler leave it as it is"
+    code = ("from fastai.basics import Learner\nbefore = dict(vars(Learner))\n"
+            "import mpcallbacks.callback, mpcallbacks.cast, mpcallbacks.scaler, mpcallbacks.master, mpcallbacks.mixed_fit, mpcallbacks.distributed\n"
+            "assert dict(vars(Learner)) == before, set(vars(Learner)) ^ set(before)\n"
+            "import mpcallbacks.learner\n"
+            "changed = sorted(k for k in vars(Learner) if vars(Learner)[k] is not before.get(k))\nprint(changed)")
+    out = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    # added methods, and the one replaced fastai method: `fit`
+    assert out.stdout.strip() == str(['export_atomic', 'fit', 'load_checked', 'save_atomic', 'to_mixed', 'to_unmixed'])

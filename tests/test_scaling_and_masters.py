@@ -145,25 +145,33 @@ def test_parity_on_digits():
 
 # ---- what other callbacks see, and the optimizer
 
+def inner_opt(opt):
+    "The optimizer that holds the state: fastai's (under our `OptimizerWithScaler`), or torch's inside an `OptimWrapper`"
+    opt = getattr(opt, 'opt', opt)
+    return getattr(opt, 'opt', opt)
+
 class Probe(Callback):
     order = MasterMixedPrecision.order + 1
     def __init__(self): self.seen = defaultdict(set)
-    def before_fit(self): self._record('before_fit')
+    def before_fit(self):
+        self._record('before_fit')
+        self.hook = self.model[0].register_forward_hook(self._in_forward)
+    def _in_forward(self, m, args, out): # inside the forward: the 16-bit cast of the master
+        if not self.training: self._record('validate')
+        self.seen['synced'].add(torch.equal(m.weight.detach(), self.opt.param_lists[0][0].detach().to(m.weight.dtype)))
+    def after_fit(self): self.hook.remove()
     def after_pred(self):
         self.seen['pred'].add(self.pred.dtype)
-        if not self.training: self._record('validate')
-        conv = self.model[0].weight # the 16-bit copy the forward used, re-synced from its master
-        self.seen['synced'].add(torch.equal(conv.detach(), self.opt.param_lists[0][0].detach().to(conv.dtype)))
+        self.seen['masters'].add(self.model[0].weight is self.opt.param_lists[0][0]) # outside the forward: the masters
     def before_step(self):
         self.seen['step_grads'] |= {p.grad.dtype for p in opt_params(self.learn) if p.grad is not None}
         self.seen['clip_view'] |= {p.dtype for p in self.learn.parameters()}
-    def after_step(self): # between batches the model rests: it holds the masters themselves
-        self.seen['rests'].add(self.model[0].weight is self.opt.param_lists[0][0])
+    def after_step(self): self.seen['masters'].add(self.model[0].weight is self.opt.param_lists[0][0])
     def _record(self, k):
         self.seen[k+'_conv'] |= {p.dtype for p in self.model[0].parameters()} | {p.dtype for p in self.model[4].parameters()}
         self.seen[k+'_bn'] |= {p.dtype for p in self.model[1].parameters()} | {b.dtype for b in self.model[1].buffers() if b.is_floating_point()}
         self.seen[k+'_opt'] |= {p.dtype for p in opt_params(self.learn)}
-        state = getattr(self.opt, 'opt', self.opt).state # OptimWrapper keeps torch's optimizer in `.opt`
+        state = inner_opt(self.opt).state
         self.seen[k+'_state'] |= {v.dtype for p in opt_params(self.learn) for v in state.get(p, {}).values() if isinstance(v, Tensor) and v.is_floating_point()}
 
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
@@ -175,12 +183,12 @@ def test_dtypes_during_fit(dtype, opt_func):
     probe = Probe()
     learn.fit(2, 1e-2, cbs=probe)
     s = probe.seen
-    assert s['before_fit_conv'] == {torch.float32} and s['validate_conv'] == {dtype} # resting until the first forward
+    assert s['before_fit_conv'] == {torch.float32} and s['validate_conv'] == {dtype} # 16-bit inside the forward only
     assert s['before_fit_bn'] == s['validate_bn'] == {torch.float32}
     assert s['before_fit_opt'] == s['validate_opt'] == {torch.float32}
     assert s['validate_state'] == {torch.float32}
     assert s['pred'] == {torch.float32} and s['step_grads'] == {torch.float32} and s['clip_view'] == {torch.float32}
-    assert s['synced'] == {True} and s['rests'] == {True}
+    assert s['synced'] == {True} and s['masters'] == {True}
     # after fit: the same groups, in the same order, holding the model's own (FP32) parameters
     assert [[id(p) for p in pg] for pg in learn.opt.param_lists] == groups
     assert opt_params(learn) == list(learn.model.parameters())
@@ -253,16 +261,19 @@ def test_loss_scale_defaults_by_dtype():
     assert learn.to_mixed(torch.bfloat16, loss_scale='dynamic').master_mixed_precision.scaler.dynamic
     assert isinstance(learn.master_mixed_precision.loss_scale, float) and isinstance(learn.master_mixed_precision.skipped, int)
 
-def test_the_copies_are_re_synced_once_per_training_batch_and_once_per_validation(monkeypatch):
-    "The masters -> copies copy is the cost of a resting model: once per step, and once for a whole validation pass"
+def test_the_masters_are_cast_once_per_training_batch_and_once_per_validation(monkeypatch):
+    "The masters -> 16-bit cast is the cost of casting in the forward: once per step, and once for a whole validation pass"
     from mpcallbacks.cast import ModelCast
     from mpcallbacks.test_utils import synth_dls
-    calls, sync = [0], ModelCast.sync_copies
-    def counted(self):
-        calls[0] += 1
-        return sync(self)
-    monkeypatch.setattr(ModelCast, 'sync_copies', counted)
+    made, cast_of = [0], ModelCast._cast_of
+    def counted(self, p):
+        before = self._casts.get(id(p))
+        res = cast_of(self, p)
+        made[0] += self._casts.get(id(p)) is not before
+        return res
+    monkeypatch.setattr(ModelCast, '_cast_of', counted)
     learn = synth_learner().to_mixed(torch.bfloat16)
     learn.dls = synth_dls(bs=16) # 16 training batches, 4 validation batches
     learn.fit(2, 1e-2)
-    assert calls[0] == 2 * (len(learn.dls.train) + 1), (calls[0], len(learn.dls.train), len(learn.dls.valid))
+    n_masters = 4 # the conv's and the linear layer's weight and bias; BatchNorm stays FP32
+    assert made[0] == 2 * n_masters * (len(learn.dls.train) + 1), (made[0], len(learn.dls.train), len(learn.dls.valid))

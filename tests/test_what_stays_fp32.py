@@ -4,7 +4,9 @@ The README says "Normalization layers stay FP32": LayerNorm and GroupNorm includ
 16 bits is left anywhere in the module tree, plain tensor attributes included. The warning that a 16-bit type is slow on
 this CPU follows what the CPU supports, for whichever type torch emulates."""
 import warnings
-import pytest, torch
+import pytest
+import torch
+from intact import ForwardDtypes
 from torch import nn, Tensor
 from fastai.basics import Callback
 import mpcallbacks.all # noqa: F401 (`Learner.to_mixed`)
@@ -28,14 +30,12 @@ class NormNet(nn.Module):
         h = torch.relu(self.gn(self.conv(x))).flatten(1)
         return self.head(torch.relu(self.ln(self.lin(h))))
 
-class NormDtypes(Callback):
-    "The dtypes of the norm layers' parameters, and of the cast layers', as the model holds them in each forward"
-    order = 50
-    def __init__(self): self.norms, self.others = set(), set()
-    def after_pred(self):
-        for m in self.learn.model.modules():
-            (self.norms if isinstance(m, (nn.GroupNorm, *norms_1d.values())) else self.others).update(
-                p.dtype for p in m.parameters(recurse=False))
+class NormDtypes(ForwardDtypes):
+    "The dtypes of the norm layers' parameters, and of the cast layers', inside each forward"
+    @property
+    def norms(self): return {d for n, ds in self.seen.items() if n.startswith(('gn.', 'ln.')) for d in ds}
+    @property
+    def others(self): return {d for n, ds in self.seen.items() if not n.startswith(('gn.', 'ln.')) for d in ds}
 
 @pytest.mark.parametrize('norm', list(norms_1d))
 def test_layer_norm_and_group_norm_stay_fp32_by_default(norm):
