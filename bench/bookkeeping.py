@@ -1,4 +1,4 @@
-"Section 1: the master-weight bookkeeping alone (grad path and copy-back) vs fastai's per-parameter helpers vs a plain copy."
+"Section 1: the master-weight bookkeeping alone (grad path, and the cast that replaces the copy-back) vs fastai's per-parameter helpers vs a plain copy."
 from __future__ import annotations
 import torch, torchvision
 from torch import nn
@@ -26,32 +26,27 @@ def bookkeeping_fns(model:nn.Module, dtype=torch.float16, device='cpu', loss_sca
     "name -> one step's bookkeeping for `model`'s parameters, every variant with its own tensors"
     model = model.to(device)
     numel = n_params(model)
-    # Ours: what `MasterMixedPrecision.before_step` and `after_step` run.
-    ours16,ours32 = _16bit_params_with_grads(model, dtype),_fp32_masters(model)
-    masters,scaler = MasterParams(list(zip(ours16, ours32))),LossScaler(init_scale=loss_scale)
-    ours_g16 = [p.grad for p in ours16]
-    def backward_done(): # untimed: `grads_to_masters` drops the 16-bit gradients, as the next backward would refill them
-        for p,g in zip(ours16, ours_g16): p.grad = g
+    # Ours: the masters are the model's parameters and autograd hands them FP32 gradients; what is left per step is
+    # `MasterParams.after_backward` (one fused unscale-and-check pass) and the step's one `.item()`.
+    ours32 = _fp32_masters(model)
+    masters,scaler = MasterParams(ours32),LossScaler(init_scale=loss_scale)
+    ours_g32 = [torch.randn_like(p) * 1e-2 for p in ours32]
+    def backward_done(): # untimed: fresh FP32 gradients, as backward writes them (the last round's were unscaled in place)
+        for p,g in zip(ours32, ours_g32): p.grad = g.clone()
+        masters.before_backward(1.) # (no gradients were there before this backward: nothing to scale)
     def ours_grad_path():
-        grads = masters.grads_to_masters()
-        found_inf = scaler.unscale_(grads)
-        return found_inf.item() # the callback's one host sync per step
-    # The copy-back of the default mode: the model rests on its masters after the step, and the next forward wakes the
-    # copies, re-synced (the swap both ways, the requires_grad check and one foreach copy of every cast tensor).
+        masters.after_backward(scaler.unscale_)
+        res = masters.found_inf.item() # the callback's one host sync per step
+        masters.skip() # (frees the gradients, as the step does)
+        return res
+    # The copy-back's place is taken by the cast the next forward makes: every master cast to 16 bits once per step
+    # (`ModelCast._cast_of` for each, and the swap into the model's slots, both ways).
     cast = cast_model(copy.deepcopy(model), dtype)
+    cast.begin()
     def ours_copy_back():
-        cast.rest()
-        cast.wake()
-    # Ours where torch has `grad_dtype` (the default there, outside DDP): backward wrote FP32 gradients into the 16-bit
-    # parameters, and the masters adopt them by reference; what is left is the unscale-and-check pass.
-    lean16,lean32 = _16bit_params_with_grads(model, dtype),_fp32_masters(model)
-    for p in lean16: p.grad = None
-    lean = MasterParams(list(zip(lean16, lean32)))
-    has_fp32_grads = lean.set_fp32_grads(True)
-    lean_g32 = [torch.randn_like(p, dtype=torch.float32) * 1e-2 for p in lean16]
-    def lean_backward_done(): # untimed: fresh FP32 gradients, as backward writes them (the last round's were unscaled in place)
-        for p,g in zip(lean16, lean_g32): p.grad = g.clone()
-    def lean_grad_path(): return scaler.unscale_(lean.grads_to_masters()).item()
+        cast.drop_casts()
+        cast._put([cast._cast_of(p) for p in cast.masters])
+        cast._put(cast.masters)
 
     # fastai: what `NonNativeMixedPrecision.before_step` and `after_step` run (dynamic scaling, no clipping).
     fa16,fa32 = [_16bit_params_with_grads(model, dtype)],[_fp32_masters(model)]
@@ -85,7 +80,6 @@ def bookkeeping_fns(model:nn.Module, dtype=torch.float16, device='cpu', loss_sca
     def copy_32_to_16(): copy16.copy_(copy32)
     return {'copy_ 16->32': copy_16_to_32, 'copy_ 32->16': copy_32_to_16,
             'ours grad path': (backward_done, ours_grad_path), 'fastai grad path': fastai_grad_path,
-            **({'ours grad path, FP32 grads (grad_dtype)': (lean_backward_done, lean_grad_path)} if has_fp32_grads else {}),
             'ours copy-back': ours_copy_back, 'fastai copy-back': fastai_copy_back,
             'ref: foreach copy+unscale': foreach_copy_unscale, 'ref: flat copy+unscale': flat_copy_unscale}
 
@@ -96,10 +90,8 @@ def run_bookkeeping(device, warmup:int=5, repeats:int=25, dtype=torch.float16) -
         fns = bookkeeping_fns(model, dtype, device)
         ms = {k:median_ms(v) for k,v in time_side_by_side(fns, device, warmup, repeats).items()}
         rows.append(dict(model=name, tensors=n_tensors(model), params_M=n_params(model)/1e6, ms=ms,
-            # the default path: FP32 gradients from autograd where torch has `grad_dtype`, else the 16->32 conversion
-            grad_vs_copy=ms.get('ours grad path, FP32 grads (grad_dtype)', ms['ours grad path']) / ms['copy_ 16->32'],
-            grad16_vs_copy=ms['ours grad path'] / ms['copy_ 16->32'],
-            fastai_vs_ours=ms['fastai grad path'] / ms.get('ours grad path, FP32 grads (grad_dtype)', ms['ours grad path']),
+            grad_vs_copy=ms['ours grad path'] / ms['copy_ 16->32'],
+            fastai_vs_ours=ms['fastai grad path'] / ms['ours grad path'],
             back_vs_copy=ms['ours copy-back'] / ms['copy_ 32->16'],
             back_vs_copy16=ms['ours copy-back'] / ms['copy_ 16->32'],
             fastai_vs_copy=ms['fastai grad path'] / ms['copy_ 16->32'])) # the most any grad path could gain over fastai's

@@ -41,7 +41,6 @@ modes = { # name -> set-up of a `Learner` (returns it)
     'fastai to_fp16()': _to_fp16,
     'to_mixed float16': partial(_to_mixed, dtype=torch.float16),
     'to_mixed bfloat16': partial(_to_mixed, dtype=torch.bfloat16),
-    "to_mixed bfloat16 masters='16+16'": partial(_to_mixed, dtype=torch.bfloat16, masters='16+16'),
 }
 
 optimizers = { # name -> fastai `opt_func`

@@ -28,16 +28,15 @@ def bookkeeping_section(rows:list) -> str:
     variants = list(rows[0]['ms'])
     cols = ['ms per step (median)'] + [f"{r['model']} ({r['tensors']} tensors, {r['params_M']:.1f}M)" for r in rows]
     body = [[v] + [f"{r['ms'][v]:.2f}" for r in rows] for v in variants]
-    body += [['**ours grad path (the default: FP32 grads where torch has `grad_dtype`) / copy_ 16->32**'] + [_x(r['grad_vs_copy']) for r in rows],
-             ['ours grad path from 16-bit grads (DDP, or torch without `grad_dtype`) / copy_ 16->32'] + [_x(r['grad16_vs_copy']) for r in rows],
+    body += [['**ours grad path / copy_ 16->32**'] + [_x(r['grad_vs_copy']) for r in rows],
              ['**fastai grad path / ours**'] + [_x(r['fastai_vs_ours']) for r in rows],
              ['fastai grad path / copy_ 16->32 (the most a grad path could gain)'] + [_x(r['fastai_vs_copy']) for r in rows],
              ['**ours copy-back / copy_ 32->16**'] + [_x(r['back_vs_copy']) for r in rows],
              ['ours copy-back / copy_ 16->32'] + [_x(r['back_vs_copy16']) for r in rows]]
     return ('### 1. Bookkeeping per optimizer step (float16 parameters)\n\n'
-            'ours grad path = `grads_to_masters()` + `LossScaler.unscale_()` + one `.item()`: from 16-bit gradients (converted one '
-            'tensor at a time), and, where torch has `Tensor.grad_dtype`, from the FP32 gradients autograd writes (adopted by '
-            'reference: only the unscale-and-check pass is left); ours copy-back = `ModelCast.rest()` + `wake()` (the model rests on its masters between batches; the next forward re-syncs the copies and puts them in). '
+            'ours grad path = `MasterParams.after_backward()` (`LossScaler.unscale_()` on the FP32 gradients autograd wrote into '
+            'the masters, the model\'s own parameters) + one `.item()`; ours copy-back = the cast the next forward makes in its '
+            'place: every master cast to 16 bits (`ModelCast`) and put into the model\'s slots, and the masters put back. '
             'fastai grad path = `grad_overflow` + `to_master_grads` + per-parameter `div_` (as `NonNativeMixedPrecision.before_step`); '
             'fastai copy-back = `to_model_params`. copy_ = one flat tensor of the same number of values. '
             'The `ref:` rows are variants of our grad path, for where its time goes.\n\n' + md_table(cols, body))
@@ -91,23 +90,18 @@ def memory_section(rows:list) -> str:
             '*activations*: bytes the forward pass and loss added. Cross-check: every live tensor `gc` finds (and its `.grad`), '
             f'each storage once, at the end of the last batch and right after its backward, differs by at most {gap:,.0f} bytes from the '
             "allocator's total at the same points (a difference would be memory no live tensor holds)." + fp16_note + '\n\n'
-            + md_table(cols, body) + '\n\n#### Targets (issue 11)\n\n'
+            + md_table(cols, body) + '\n\n#### Targets\n\n'
             + md_table(['target', 'measured', 'met'], [[t, m, '-' if k is None else 'yes' if k else '**no**'] for t,m,k in tgt]))
 
 def memory_targets(rows:list) -> list:
-    "(target, measured, met) for issue 11's memory targets"
+    "(target, measured, met) for the memory targets"
     by = {(r['mode'], r['opt']):r for r in rows if r['available']}
     default = [r for (m,_),r in by.items() if m in ('to_mixed float16', 'to_mixed bfloat16')]
-    lean = [r for (m,_),r in by.items() if 'masters=' in m]
     fmt = lambda rs, k: ', '.join(f"{_bpp(r[k])} ({r['mode'].split()[1]}, {r['opt']})" for r in rs)
     # Compared as printed, to 2 decimals: every total also holds the data set, 0.004 bytes/param (FP32 reads 16.004)
     met = lambda rs, k, target: all(round(r[k], 2) <= target for r in rs)
-    res = [('default to_mixed: <= 14.0 bytes/param between steps', fmt(default, 'between'), met(default, 'between', 14.0)),
-           ('default to_mixed: <= 18.5 bytes/param at the peak of a step', fmt(default, 'peak_step'), met(default, 'peak_step', 18.5))]
-    if lean: res += [('leaner bfloat16 mode: <= 12.0 between steps', fmt(lean, 'between'), met(lean, 'between', 12.0)),
-                     ('leaner bfloat16 mode: <= 14.5 at the peak', fmt(lean, 'peak_step'), met(lean, 'peak_step', 14.5))]
-    else: res.append(('leaner bfloat16 mode: <= 12.0 between steps, <= 14.5 at the peak', 'not available', None))
-    return res
+    return [('to_mixed: <= 12.0 bytes/param between steps (no 16-bit cast outlives its step)', fmt(default, 'between'), met(default, 'between', 12.0)),
+            ('to_mixed: <= 18.5 bytes/param at the peak of a step', fmt(default, 'peak_step'), met(default, 'peak_step', 18.5))]
 
 def syncs_section(rows:list) -> str:
     cols = ['model', 'tensors', 'config', 'train steps', 'syncs per fit', 'extra vs FP32', 'extra per step', '<= steps + 2']
