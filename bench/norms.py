@@ -1,4 +1,4 @@
-"Section 6: what keeping LayerNorm in FP32 (the default, issue 12 item 5) costs and changes on a transformer, against LayerNorm cast to 16 bits."
+"Section 6: what keeping LayerNorm in FP32 (the default) costs and changes on a transformer, against LayerNorm cast to 16 bits."
 from __future__ import annotations
 import statistics, warnings
 import torch
@@ -38,7 +38,7 @@ def learner(config:str, make_dls, d:int, layers:int, dtype) -> Learner:
     learn = Learner(make_dls(), Encoder(d, layers), loss_func=CrossEntropyLossFlat(), opt_func=Adam)
     if config == 'FP32': return learn
     learn.to_mixed(dtype)
-    if 'cast to 16' in config: # what the default was before issue 12: only BatchNorm/InstanceNorm kept in FP32
+    if 'cast to 16' in config: # the earlier default: only BatchNorm/InstanceNorm kept in FP32
         next(cb for cb in learn.cbs if isinstance(cb, MasterMixedPrecision)).keep = (_NormBase,)
     return learn
 

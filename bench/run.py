@@ -90,7 +90,7 @@ def memory_section(rows:list) -> str:
             '*activations*: bytes the forward pass and loss added. Cross-check: every live tensor `gc` finds (and its `.grad`), '
             f'each storage once, at the end of the last batch and right after its backward, differs by at most {gap:,.0f} bytes from the '
             "allocator's total at the same points (a difference would be memory no live tensor holds)." + fp16_note + '\n\n'
-            + md_table(cols, body) + '\n\n#### Targets\n\n'
+            + md_table(cols, body) + '\n\n#### Memory targets\n\n'
             + md_table(['target', 'measured', 'met'], [[t, m, '-' if k is None else 'yes' if k else '**no**'] for t,m,k in tgt]))
 
 def memory_targets(rows:list) -> list:
@@ -126,7 +126,7 @@ def norms_section(r:dict) -> str:
         return (f"{max(abs(d) for d,_ in res):.2%}", f"{min(cos for _,cos in res):.5f}")
     acc = md_table(['dtype', 'config', 'final loss vs FP32: largest relative difference over 3 seeds', 'update cosine with FP32: lowest'],
                    [[dt, c, *worst(dt, c)] for dt in r['acc'] for c in (c32, c16)])
-    return ('### 6. Normalization layers in FP32 (issue 12): LayerNorm kept FP32 against LayerNorm cast to 16 bits\n\n'
+    return ('### 6. Normalization layers in FP32: LayerNorm kept FP32 against LayerNorm cast to 16 bits\n\n'
             f"Speed: {r['model']}; {r['rounds']} rounds of short fits ({r['steps']} training steps, the first {r['skip']} not "
             'timed), the configs taking turns. Kept in FP32, each LayerNorm computes in FP32 on its input cast up and hands its output '
             'back in 16 bits.\n\n' + speed + f"\n\nLayerNorm FP32 / LayerNorm 16-bit: **{_x(ln32 / ln16)}** per step.\n\n"
@@ -134,7 +134,7 @@ def norms_section(r:dict) -> str:
             'the same seed.\n\n' + acc)
 
 def targets(book:list, step:list, bound:dict, syncs:list) -> list:
-    "(target, measured, met) for each of the issue's targets"
+    "(target, measured, met) for each performance target"
     r18,many = book
     mixed_syncs = [r for r in syncs if r['config'].startswith('to_mixed')]
     worst_step = max(step, key=lambda r: r['mixed_vs_hand'])
@@ -147,7 +147,7 @@ def targets(book:list, step:list, bound:dict, syncs:list) -> list:
          max(r18['back_vs_copy'], many['back_vs_copy']) <= 1.1),
         ('whole step to_mixed <= 1.05x hand loop (every model/dtype)',
          ', '.join(f"{_x(r['mixed_vs_hand'])} ({r['model'].split(' (')[0]}, {r['dtype']})" for r in step), worst_step['mixed_vs_hand'] <= 1.05),
-        ('(not an issue target) callback overhead beyond the FP32 Learner\'s own, per step',
+        ('(no target) callback overhead beyond the FP32 Learner\'s own, per step',
          ', '.join(f"{r['callback_own_ms']:+.2f} ms ({r['model'].split(' (')[0]}, {r['dtype']})" for r in step), None),
         ('syncs: to_mixed adds <= 1 per training step + 2 per fit',
          ', '.join(f"+{r['extra']} over {r['train_steps']} steps ({r['model']}, {r['config'].split()[1]})" for r in mixed_syncs),
@@ -211,7 +211,7 @@ def main():
     emit(cuda_section(cuda))
     emit(norms_section(run_norms(device, rounds=3 if args.quick else 7)))
     tgt = targets(book, step, bound, syncs)
-    emit('### Targets (issue 4)\n\n' + md_table(['target', 'measured', 'met'], [[t, m, '-' if ok is None else 'yes' if ok else '**no**'] for t,m,ok in tgt]))
+    emit('### Performance targets\n\n' + md_table(['target', 'measured', 'met'], [[t, m, '-' if ok is None else 'yes' if ok else '**no**'] for t,m,ok in tgt]))
     pngs = [plots.plot_bookkeeping(book, results_dir), plots.plot_whole_step(step, bound, results_dir),
             plots.plot_memory(mem, results_dir), plots.plot_syncs(syncs, results_dir)]
     if cuda: pngs.append(plots.plot_cuda(cuda, results_dir))

@@ -41,6 +41,8 @@ class ScaleHistory:
     def __repr__(self): return f"{type(self).__name__}({len(self)} steps in {len(self.runs)} runs)"
 
 # %% ../nbs/01_scaler.ipynb #0172ec28
+_skips_at_floor = 25 # The default limit's margin: skips in a row at `min_scale` before the scaler gives up
+
 class LossScaler:
     "Loss scale with the dynamic rule of `torch.amp.GradScaler`, a floor, and a limit on consecutive skips"
     def __init__(self,
@@ -50,7 +52,7 @@ class LossScaler:
         backoff_factor:float=.5, # Multiply the scale by this on a step with inf/NaN gradients
         growth_interval:int=2000, # Good steps in a row before the scale grows
         min_scale:float=1., # The scale never backs off below this
-        max_consecutive_skips:int|None=None, # Skips in a row that raise `NonFiniteGradients`; None: back-offs from `init_scale` to `min_scale`, plus 25
+        max_consecutive_skips:int|None=None, # Skips in a row that raise `NonFiniteGradients`; None: back-offs from the scale where the skips began to `min_scale`, plus 25
     ):
         init_scale = _check_scale('init_scale', init_scale)
         # Every argument is checked in every mode: a bad value is a mistake even where a static scale never uses it.
@@ -60,17 +62,28 @@ class LossScaler:
         growth_interval,min_scale = _check_int('growth_interval', growth_interval, 1),_check_scale('min_scale', min_scale)
         if not isinstance(dynamic, bool): raise TypeError(f"dynamic must be True or False, got {dynamic!r}")
         if dynamic and min_scale > init_scale: raise ValueError(f"min_scale ({min_scale}) must not exceed init_scale ({init_scale})")
-        n_backoffs = math.ceil(math.log(init_scale/min_scale)/-math.log(backoff_factor)) if dynamic else 0
-        if max_consecutive_skips is None: max_consecutive_skips = n_backoffs + 25
-        max_consecutive_skips = _check_int('max_consecutive_skips', max_consecutive_skips, 1)
-        if max_consecutive_skips <= n_backoffs:
-            raise ValueError(f"max_consecutive_skips must be an int above the {n_backoffs} back-offs from init_scale to "
-                             f"min_scale, got {max_consecutive_skips!r}")
         self.dynamic,self.growth_factor,self.backoff_factor = dynamic,growth_factor,backoff_factor
-        self.growth_interval,self.min_scale,self.max_consecutive_skips = growth_interval,min_scale,max_consecutive_skips
+        self.growth_interval,self.min_scale = growth_interval,min_scale
+        if max_consecutive_skips is not None:
+            max_consecutive_skips,n_backoffs = _check_int('max_consecutive_skips', max_consecutive_skips, 1),self._backoffs(init_scale)
+            if max_consecutive_skips <= n_backoffs:
+                raise ValueError(f"max_consecutive_skips must be an int above the {n_backoffs} back-offs from init_scale to "
+                                 f"min_scale, got {max_consecutive_skips!r}")
+        self._max_skips = max_consecutive_skips # None: the limit follows the scale
         self.scale = _f32(init_scale)
         self.growth_tracker,self.skipped,self.consecutive_skips = 0,0,0
+        self._run_start = None # The scale at the first skip of the current run of skips; None between runs
         self.history = ScaleHistory() # The scale each step used, and whether it was skipped
+
+    def _backoffs(self, scale:float) -> int: # Back-offs that take `scale` down to `min_scale`; none for a static scale
+        if not self.dynamic or scale <= self.min_scale: return 0
+        return math.ceil(math.log(scale/self.min_scale)/-math.log(self.backoff_factor) - 1e-9) # 1e-9: log's rounding
+
+    @property
+    def max_consecutive_skips(self) -> int:
+        "Skips in a row that raise `NonFiniteGradients`: the limit given, or back-offs from where the run began to `min_scale`, plus 25"
+        if self._max_skips is not None: return self._max_skips
+        return self._backoffs(self.scale if self._run_start is None else self._run_start) + _skips_at_floor
 
     def __repr__(self):
         mode = 'dynamic' if self.dynamic else 'static'
@@ -78,6 +91,7 @@ class LossScaler:
 
 # %% ../nbs/01_scaler.ipynb #9ad9ea3f
 min_loss_scale,max_loss_scale = 2.**-126,2.**126 # A scale and its reciprocal are both normal float32 numbers in this range
+_max_count = 2**63 - 1 # The largest 64-bit count: more optimizer steps than any training takes
 
 def _check_number(name, x) -> float:
     if isinstance(x, bool) or not isinstance(x, numbers.Real): raise TypeError(f"{name} must be a number, got {type(x).__name__} {x!r}")
@@ -91,12 +105,15 @@ def _check_scale(name, x) -> float:
                          f"(so that 1/{name} is finite too), got {x!r}")
     return float(x)
 
-def _check_int(name, x, low:int) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral): raise TypeError(f"{name} must be an int >= {low}, got {type(x).__name__} {x!r}")
-    if x < low: raise ValueError(f"{name} must be an int >= {low}, got {x!r}")
+def _check_int(name, x, low:int, high:int|None=None) -> int:
+    allowed = f"an int >= {low}" if high is None else f"an int from {low} to {'2**63 - 1' if high == _max_count else high}"
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral): raise TypeError(f"{name} must be {allowed}, got {type(x).__name__} {x!r}")
+    if x < low or (high is not None and x > high): raise ValueError(f"{name} must be {allowed}, got {x!r}")
     return int(x)
 
 # %% ../nbs/01_scaler.ipynb #03ed0cbd
+_f16_tiny = 2.**-24 # float16's smallest positive (subnormal) number
+
 @patch(cls_method=True)
 @delegates(LossScaler.__init__, but=['dynamic'])
 def from_loss_scale(cls:LossScaler,
@@ -109,11 +126,16 @@ def from_loss_scale(cls:LossScaler,
         if loss_scale not in ('auto', 'dynamic'):
             raise ValueError(f"loss_scale must be 'dynamic', a positive number or None, got {loss_scale!r}")
         if loss_scale == 'auto': loss_scale = 'dynamic' if dtype == torch.float16 else None
-    if loss_scale == 'dynamic': return cls(dynamic=True, **kwargs)
-    if 'init_scale' in kwargs:
+    if loss_scale == 'dynamic': scaler,name = cls(dynamic=True, **kwargs),'init_scale'
+    elif 'init_scale' in kwargs:
         raise ValueError(f"init_scale only applies to dynamic scaling (loss_scale='dynamic'); with loss_scale={loss_scale!r} "
                          "the scale never moves: drop init_scale, or set loss_scale='dynamic'.")
-    return cls(1. if loss_scale is None else _check_scale('loss_scale', loss_scale), dynamic=False, **kwargs)
+    else: scaler,name = cls(1. if loss_scale is None else _check_scale('loss_scale', loss_scale), dynamic=False, **kwargs),'loss_scale'
+    if dtype == torch.float16 and scaler.scale <= _f16_tiny:
+        raise ValueError(f"{name}={scaler.scale!r} is at or below 2**-24, float16's smallest positive number: the float16 "
+                         "gradients carry the scale, so they would flush to zero and the model would not learn, without a "
+                         "skipped step to show it. Use a scale of 1 or more (the default init_scale is 2**16), or bfloat16.")
+    return scaler
 
 # %% ../nbs/01_scaler.ipynb #1224f219
 def make_scaler(dtype:torch.dtype, loss_scale='auto', **kwargs) -> LossScaler:
@@ -163,6 +185,7 @@ def update(self:LossScaler,
     "Record one optimizer step and move the scale by the dynamic rule"
     self.history.append((self.scale, bool(found_inf)))
     if found_inf:
+        if self.consecutive_skips == 0: self._run_start = self.scale
         self.skipped += 1
         self.consecutive_skips += 1
         if self.dynamic:
@@ -170,7 +193,7 @@ def update(self:LossScaler,
             self.growth_tracker = 0
         if self.consecutive_skips >= self.max_consecutive_skips: raise NonFiniteGradients(self._stop_message())
         return
-    self.consecutive_skips = 0
+    self.consecutive_skips,self._run_start = 0,None
     if not self.dynamic: return
     self.growth_tracker += 1
     if self.growth_tracker >= self.growth_interval: # `>=`: a counter loaded from a run with a longer interval grows too
@@ -186,6 +209,10 @@ def _stop_message(self:LossScaler) -> str:
         causes.insert(0, f"the static loss scale {self.scale:g} makes the gradients overflow (use loss_scale='dynamic', or a smaller scale)")
     elif self.dynamic and self.scale <= self.min_scale:
         causes.insert(0, f"the gradients overflow even at the floor min_scale={self.min_scale:g}")
+    elif self.dynamic: # only a limit given can stop a run before the floor
+        causes.insert(0, f"the scale is still backing off: from {self._run_start:g}, where these skips began, it needs "
+                         f"{self._backoffs(self._run_start)} back-offs to reach min_scale={self.min_scale:g}, more than "
+                         f"max_consecutive_skips={self.max_consecutive_skips} allows (raise it, or leave it None to follow the scale)")
     return (f"{self.consecutive_skips} optimizer steps in a row had inf/NaN gradients (loss scale now {self.scale:g}), so "
             f"nothing has been learned since. Likely causes: {'; or '.join(causes)}.")
 
@@ -207,9 +234,12 @@ def check_state_dict(self:LossScaler,
     missing = [k for k in _state_keys if k not in sd]
     if missing: raise KeyError(f"Loss scaler state lacks {missing}")
     res = {'scale':_check_scale("the loss scaler state's scale", sd['scale'])}
-    for k in _state_keys[1:]: res[k] = _check_int(f"the loss scaler state's {k}", sd[k], 0)
+    for k in _state_keys[1:]: res[k] = _check_int(f"the loss scaler state's {k}", sd[k], 0, _max_count)
+    if res['consecutive_skips'] > res['skipped']:
+        raise ValueError(f"the loss scaler state's consecutive_skips must be an int from 0 to its skipped ({res['skipped']}): "
+                         f"the skips in a row are among all the skips, got {res['consecutive_skips']!r}")
     if not isinstance(sd.get('dynamic', self.dynamic), bool): raise TypeError(f"the loss scaler state's dynamic must be True or False, got {sd['dynamic']!r}")
-    if 'growth_interval' in sd: _check_int("the loss scaler state's growth_interval", sd['growth_interval'], 1)
+    if 'growth_interval' in sd: _check_int("the loss scaler state's growth_interval", sd['growth_interval'], 1, _max_count)
     return {**res, 'dynamic':sd.get('dynamic', self.dynamic)}
 
 # %% ../nbs/01_scaler.ipynb #92f440b7
@@ -221,3 +251,6 @@ def load_state_dict(self:LossScaler,
     v = self.check_state_dict(sd)
     if self.dynamic and v['dynamic']: self.scale,self.growth_tracker = _f32(v['scale']),v['growth_tracker']
     self.skipped,self.consecutive_skips = v['skipped'],v['consecutive_skips']
+    # Where a saved run of skips began is not saved: at most the scale before its back-offs (the limit errs long)
+    k = self.consecutive_skips
+    self._run_start = None if not k else min(max_loss_scale, self.scale * math.exp(min(k * -math.log(self.backoff_factor), 700.)))

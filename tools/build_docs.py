@@ -15,20 +15,26 @@ the same site from the same input, nbdev's processed notebooks in `_proc/`, with
   `keep-md`): the module docstrings nbdev exports link there.
 - Search: `search.js`, an index of every section of every page (`window.SEARCH_INDEX`), read by `site.js`, which also
   folds the sidebar away on narrow screens and puts a copy button on code blocks.
+- As on Quarto's nbdev sites, each page links to the previous and the next page in the sidebar's order, and to the
+  repository's new-issue form ("Report an issue", `repo-actions: [issue]` in `_quarto.yml`).
+- Phones: names in the table of contents and in table cells may wrap after their `.` and `_` (`<wbr>`), and the
+  lines of an API signature wrap with a hanging indent, so that long parameter comments are read, not cut off.
 
 `nbs/_quarto.yml`, `nbs/nbdev.yml` and `nbs/sidebar.yml` stay as nbdev wants them, so `nbdev-docs` keeps working
 wherever Quarto exists."""
 from __future__ import annotations
 import base64, html, io, json, mimetypes, re, shutil, sys
 from pathlib import Path
+from urllib.parse import quote
 import yaml
-from bs4 import BeautifulSoup
+from bs4 import BeautifulSoup, NavigableString
 from jupyter_core.paths import jupyter_path
 from nbconvert import HTMLExporter, MarkdownExporter
 from nbconvert.filters.markdown import markdown2html
 from processed_nb import load_processed, pandoc_id
 
 TEMPLATES = Path(__file__).parent/'docs_template'
+_name_break_re = re.compile(r'(?<=[A-Za-z0-9])([._])(?=[A-Za-z0-9_])') # where a dotted or snake_case name may wrap
 _math_re = re.compile(r'\$\$(.+?)\$\$|(?<![\\$\w])\$(?=\S)(.+?)(?<=\S)\$(?![\w$])', re.S)
 
 
@@ -54,6 +60,11 @@ def sidebar_entries(path:Path) -> list:
 def inline_markdown(md:str) -> str:
     "HTML of one line of markdown, without the paragraph around it"
     return re.sub(r'^<p>(.*)</p>\s*$', r'\1', markdown2html(md or '').strip(), flags=re.S)
+
+
+def page_order(entries:list) -> list:
+    "The notebooks of the sidebar in reading order: the previous and next page of each"
+    return [n for e in entries for n in ([e] if isinstance(e, str) else page_order(e['contents']))]
 
 
 def sidebar_html(entries:list, pages:dict, current:str) -> str:
@@ -200,10 +211,47 @@ def fix_source_links(soup, syms:dict) -> None:
         a['href'] = a['href'][:-len('None')] + str(line)
 
 
-def toc_html(toc:list) -> str:
-    if not toc: return ''
-    items = ''.join(f'<li class="toc-{tag}"><a href="#{hid}">{html.escape(text)}</a></li>' for tag,hid,text in toc)
-    return f'<div class="toc-title">On this page</div><ul>{items}</ul>'
+def breakable(text:str) -> str:
+    "`text` as HTML in which names may wrap after a `.` or `_` (`LossScaler.` / `from_` / `loss_scale`), never mid-word"
+    return _name_break_re.sub(r'\1<wbr>', html.escape(text))
+
+
+def toc_html(toc:list, issue_url:str='') -> str:
+    items = ''.join(f'<li class="toc-{tag}"><a href="#{hid}">{breakable(text)}</a></li>' for tag,hid,text in toc)
+    head = f'<div class="toc-title">On this page</div><ul>{items}</ul>' if toc else ''
+    return head + (f'<div class="toc-actions"><a class="issue-link" href="{html.escape(issue_url)}">Report an issue</a></div>'
+                   if issue_url else '')
+
+
+def break_table_names(soup) -> None:
+    "Names in code in table cells may wrap after `.` and `_`, so that a table of events fits a phone instead of scrolling"
+    for code in soup.select('.jp-RenderedHTMLCommon td > code, .jp-RenderedHTMLCommon th > code'):
+        for text in list(code.find_all(string=_name_break_re)):
+            text.replace_with(BeautifulSoup(breakable(str(text)), 'html.parser'))
+
+
+def wrap_signatures(soup) -> None:
+    "Each line of an API signature (show_doc) in its own block that wraps with a hanging indent (see site.css)"
+    for pre in soup.select('.celltag_echo-false .jp-RenderedMarkdown .highlight pre'):
+        if not re.match(r'\s*(async\s+)?(def|class)\s', pre.get_text()): continue
+        # pygments' tokens hold no markup of their own; a token with markup across lines: leave the signature as it is
+        if any(not isinstance(n, NavigableString) and '\n' in n.get_text() and n.find(True) for n in pre.contents): continue
+        lines = [[]]
+        for node in list(pre.contents):
+            text = str(node) if isinstance(node, NavigableString) else node.get_text()
+            if '\n' not in text: lines[-1].append(node.extract()); continue
+            for i,part in enumerate(text.split('\n')): # a newline, or a token such as a docstring spanning lines
+                if i: lines.append([])
+                if not part: continue
+                lines[-1].append(NavigableString(part) if isinstance(node, NavigableString) else
+                                 soup.new_tag(node.name, attrs=dict(node.attrs), string=part))
+            node.extract()
+        if not lines[-1]: lines.pop()
+        for line in lines:
+            span = soup.new_tag('span', attrs={'class': 'sig-line'})
+            for n in line: span.append(n)
+            pre.append(span)
+        pre['class'] = pre.get('class', []) + ['signature']
 
 
 def build() -> list:
@@ -214,6 +262,7 @@ def build() -> list:
     out = cfg.doc_path
     site_url = (cfg.get('doc_host', '') + cfg.get('doc_baseurl', '')).rstrip('/')
     site = dict(title=cfg.title, repo_url=cfg.get('git_url', ''))
+    issues = site['repo_url'].rstrip('/') + '/issues/new' if site['repo_url'] else ''
 
     nbs = sorted(proc.glob('*.ipynb'))
     loaded = {p.name: load_processed(p) for p in nbs}
@@ -221,6 +270,7 @@ def build() -> list:
                         description_html=inline_markdown(meta.get('description', '')), source=name)
              for name,(meta,nb) in loaded.items()}
     entries = sidebar_entries(cfg.nbs_path/'sidebar.yml')
+    order = [pages[n] for n in page_order(entries) if n in pages]
 
     if out.exists(): shutil.rmtree(out)
     (out/'styles').mkdir(parents=True)
@@ -241,7 +291,12 @@ def build() -> list:
     syms = {k: mod for mod,d in ns['d']['syms'].items() for k in d} # full name -> module
     written,index = [],[]
     for name,(meta,nb) in loaded.items():
-        page = dict(pages[name], root='', sidebar_html=sidebar_html(entries, pages, pages[name]['file']))
+        i = next((i for i,p in enumerate(order) if p['source'] == name), None) # None: a page the sidebar does not list
+        near = lambda j: order[j] if i is not None and 0 <= j < len(order) else None
+        page = dict(pages[name], root='', sidebar_html=sidebar_html(entries, pages, pages[name]['file']),
+                    prev=near(i - 1) if i is not None else None, next=near(i + 1) if i is not None else None)
+        page_url = f"{site_url}/{page['file']}"
+        page['issue_url'] = f"{issues}?body={quote(f'Page: {page_url}')}" if issues else '' # GitHub's form, with the page named
         body,_ = exporter.from_notebook_node(nb, resources={'page': page, 'site': site,
                                                             'metadata': {'name': re.sub('<[^>]+>', '', page['title_html'])}})
         soup = BeautifulSoup(body, 'html.parser')
@@ -252,8 +307,10 @@ def build() -> list:
         toc = fix_headings(soup)
         fix_links(soup, site_url, pages)
         fix_source_links(soup, syms)
+        break_table_names(soup)
+        wrap_signatures(soup)
         nav = soup.select_one('nav.site-toc')
-        nav.clear(); nav.append(BeautifulSoup(toc_html(toc), 'html.parser'))
+        nav.clear(); nav.append(BeautifulSoup(toc_html(toc, page['issue_url']), 'html.parser'))
         (out/page['file']).write_text(str(soup))
         (out/(page['file'] + '.md')).write_text(page_markdown(proc/name, meta['title'], meta.get('description', '')))
         index += search_entries(soup, page['file'], title)

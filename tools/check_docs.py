@@ -7,10 +7,13 @@ Checked on each page as the browser rendered it:
   machine that ran the notebook (a warning's `/home/.../site-packages/...`); every API entry (show_doc) has text and
   a link to its source; entries shown one after the other are in the order of the source (nbdev lists the
   definitions of one cell in reverse);
-- the site: nothing failed to load or threw a JavaScript error, the sidebar lists every page, code blocks have a copy
-  button, search finds and opens sections (typed into the box, the first hit followed);
-- phones: at 400 px no page is wider than the screen (code scrolls inside itself) and the sidebar is folded away
-  behind the navbar's toggle, which opens it.
+- the site: nothing failed to load or threw a JavaScript error, the sidebar lists every page, every page links to the
+  previous and the next page in the sidebar's order and to the repository's new-issue form, code blocks have a copy
+  button that covers no line's end, search finds and opens sections (typed into the box, the first hit followed), and
+  the page's table of contents breaks no word across lines;
+- phones: at 400 px no page is wider than the screen, no table or code block is cut off (wider content must scroll in a
+  box within the screen that shows its scrollbar; checked at 1280 px too), and the sidebar is folded away behind the
+  navbar's toggle, which opens it.
 Screenshots at 1280 and 400 px of the home page, the tutorial and the callback's page go to `_docs/screenshots/`.
 
 Chromium is driven over the DevTools protocol on a pipe (`--remote-debugging-pipe`: file descriptors 3 and 4, JSON
@@ -20,9 +23,10 @@ import argparse, base64, json, os, re, select, shutil, subprocess, sys, tempfile
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+# No --hide-scrollbars: a scrollbar is how a reader sees that a table or code block goes on to the right, and the
+# phone check measures it (an overlay scrollbar, which phones show only while scrolling, takes no room)
 CHROMIUM_FLAGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-background-networking',
-                  '--disable-component-update', '--disable-sync', '--no-first-run', '--hide-scrollbars',
-                  '--remote-debugging-pipe']
+                  '--disable-component-update', '--disable-sync', '--no-first-run', '--remote-debugging-pipe']
 SCREEN = dict(width=1280, height=2000)
 PHONE = dict(width=400, height=800)
 SCREENSHOTS = ['index.html', 'tutorial.html', 'callback.html']
@@ -61,7 +65,80 @@ PAGE_REPORT_JS = """JSON.stringify({
   prose: [...document.querySelectorAll('.jp-RenderedMarkdown')].map(o => o.innerText).join('\\n'),
   styled: getComputedStyle(document.querySelector('.site-navbar') || document.body).position === 'sticky',
   text: document.body.innerText.length,
+  prev: (document.querySelector('nav.page-navigation a[rel=prev]') || {getAttribute: () => null}).getAttribute('href'),
+  next: (document.querySelector('nav.page-navigation a[rel=next]') || {getAttribute: () => null}).getAttribute('href'),
+  issue: [...document.querySelectorAll('a.issue-link[href]')].map(a => a.getAttribute('href')),
 })"""
+
+# Where a reader cannot read a table or a code block to its end: content past the box that shows it, unless that box
+# scrolls sideways, lies within the screen and shows a scrollbar (one that takes room: phones draw overlay scrollbars
+# only while scrolling, so a table that scrolls under one looks cut off)
+CUT_OFF_JS = """(() => {
+  const vw = document.documentElement.clientWidth;
+  const describe = e => e.tagName.toLowerCase() + (typeof e.className === 'string' && e.className.trim() ?
+    '.' + e.className.trim().split(/\\s+/).slice(0, 2).join('.') : '');
+  const scrollbar = s => { const cs = getComputedStyle(s);
+    return s.offsetHeight - s.clientHeight - parseFloat(cs.borderTopWidth) - parseFloat(cs.borderBottomWidth) > 0; };
+  const cut = [];
+  for (const e of document.querySelectorAll('main table, main pre')) {
+    const r = e.getBoundingClientRect();
+    if (!r.width) continue; // not shown (a folded code block)
+    let box = null; // the nearest box that scrolls or clips, the element itself included
+    for (let p = e; p && p !== document.body; p = p.parentElement) if (getComputedStyle(p).overflowX !== 'visible') { box = p; break; }
+    const right = box === e ? r.left + e.clientLeft + e.scrollWidth : r.left + Math.max(r.width, e.scrollWidth);
+    const b = box ? box.getBoundingClientRect() : null;
+    const shown = Math.min(box ? b.left + box.clientLeft + box.clientWidth : vw, vw);
+    if (right <= shown + 1) continue;
+    const how = box && getComputedStyle(box).overflowX;
+    if (box && (how === 'auto' || how === 'scroll') && b.left >= -1 && b.right <= vw + 1 && scrollbar(box)) continue;
+    const where = box === e ? 'itself' : box ? describe(box) : '';
+    cut.push({what: describe(e), shown: Math.round(shown - r.left), needs: Math.round(right - r.left),
+              text: e.innerText.trim().split('\\n')[0].slice(0, 50),
+              why: !box ? 'it sticks out of the screen' : how === 'hidden' || how === 'clip' ? `${where} cuts it off (overflow-x: ${how})` :
+                   !(b.left >= -1 && b.right <= vw + 1) ? `it scrolls inside ${where}, which sticks out of the screen` :
+                   `it scrolls inside ${where}, which shows no scrollbar`});
+  }
+  return JSON.stringify(cut);
+})()"""
+
+# Copy buttons sit on the code's top right corner: no line may end under one, where the reader cannot see its end
+# (lines longer than the box are checked scrolled to the end, as a reader would read them)
+COPY_COVER_JS = """(() => {
+  const covered = [];
+  document.querySelectorAll('.has-copy-button').forEach(holder => {
+    const btn = holder.querySelector(':scope > .copy-button'), pre = holder.querySelector('pre');
+    if (!btn || !pre || !btn.getBoundingClientRect().width) return;
+    let box = pre; while (box !== holder && getComputedStyle(box).overflowX === 'visible') box = box.parentElement;
+    const start = box.scrollLeft;
+    for (const pos of [0, box.scrollWidth]) {
+      box.scrollLeft = pos;
+      const b = btn.getBoundingClientRect(), br = box.getBoundingClientRect(), edge = br.left + box.clientLeft + box.clientWidth;
+      const range = document.createRange(); range.selectNodeContents(pre);
+      const lines = new Map(); // top -> [right, bottom]
+      for (const r of range.getClientRects()) { if (!r.width) continue; const k = Math.round(r.top), l = lines.get(k);
+        lines.set(k, l ? [Math.max(l[0], r.right), Math.max(l[1], r.bottom)] : [r.right, r.bottom]); }
+      [...lines.entries()].sort((x, y) => x[0] - y[0]).forEach(([top, [right, bottom]], i) => {
+        if (right <= edge + .5 && right > b.left + 1 && top < b.bottom - 1 && bottom > b.top + 1)
+          covered.push(`line ${i + 1} of "${pre.innerText.trim().split('\\n')[0].slice(0, 40)}"`); });
+    }
+    box.scrollLeft = start;
+  });
+  return JSON.stringify([...new Set(covered)]);
+})()"""
+
+# The page's table of contents (shown at 1280 px): entries wrap between words, or after the `.` and `_` of a name,
+# never inside a word ("LossScaler.from_loss_sc" / "ale")
+TOC_BREAKS_JS = """JSON.stringify([...document.querySelectorAll('nav.site-toc a')].flatMap(a => {
+  const chars = [], walk = document.createTreeWalker(a, NodeFilter.SHOW_TEXT);
+  while (walk.nextNode()) { const n = walk.currentNode;
+    for (let i = 0; i < n.length; i++) { const r = document.createRange(); r.setStart(n, i); r.setEnd(n, i + 1);
+      const rs = r.getClientRects(); if (rs.length) chars.push([n.data[i], rs[0].top]); } }
+  const text = chars.map(c => c[0]).join(''), out = [];
+  for (let i = 1; i < chars.length; i++)
+    if (chars[i][1] > chars[i - 1][1] + 2 && /[A-Za-z0-9]/.test(chars[i - 1][0]) && /[A-Za-z0-9_]/.test(chars[i][0]))
+      out.push(text.slice(0, i) + ' / ' + text.slice(i));
+  return out;
+}))"""
 
 
 # At phone width: how wide the page is, what sticks out (outermost elements past the right edge, not inside something
@@ -204,7 +281,7 @@ def check_links(page:str, report:dict, ids:dict, docs:Path, site_url:str) -> lis
     return problems
 
 
-def check_page(page:str, report:dict, pages:list) -> list:
+def check_page(page:str, report:dict, pages:list, order:list, repo_url:str) -> list:
     problems = []
     for img in report['images']:
         if not img['ok']: problems.append(f"image does not load: {img['src'][:80]!r} (alt {img['alt']!r})")
@@ -223,6 +300,12 @@ def check_page(page:str, report:dict, pages:list) -> list:
     if report['text'] < 200: problems.append(f"page is nearly empty ({report['text']} characters of text)")
     if report['copy_buttons'] < report['code_blocks']:
         problems.append(f"{report['code_blocks'] - report['copy_buttons']} of {report['code_blocks']} code blocks have no copy button")
+    if page in order: # previous and next page, in the sidebar's order
+        i = order.index(page)
+        for rel,want in (('prev', order[i-1] if i > 0 else None), ('next', order[i+1] if i+1 < len(order) else None)):
+            if report[rel] != want: problems.append(f"the {rel} page link leads to {report[rel]}, not {want} (the sidebar's order)")
+    if repo_url and not any(h.startswith(repo_url.rstrip('/') + '/issues/new') for h in report['issue']):
+        problems.append(f"no link to report an issue ({repo_url.rstrip('/')}/issues/new)")
     return problems + check_showdocs(report['showdocs'])
 
 
@@ -246,11 +329,14 @@ def check_showdocs(entries:list) -> list:
 
 
 def check_phone(page:str, report:dict) -> list:
-    "At 400 px: nothing wider than the screen, and the sidebar folded away behind a toggle that opens it"
+    "At 400 px: nothing wider than the screen or cut off, and the sidebar folded away behind a toggle that opens it"
     problems = []
     if report['width'] > report['viewport']:
         problems.append(f"at {PHONE['width']} px the page is {report['width']} px wide (scrolls sideways): "
                         + '; '.join(report['offenders'] or ['?']))
+    for c in report['cut_off']:
+        problems.append(f"at {PHONE['width']} px a {c['what']} is cut off, {c['needs']} px of content in {c['shown']} px: "
+                        f"{c['why']} ({c['text']!r})")
     if not report['sidebar_folded']: problems.append(f"at {PHONE['width']} px the sidebar is not folded away")
     if not report['toggle_shown']: problems.append(f"at {PHONE['width']} px there is no sidebar toggle")
     elif not (report.get('sidebar_opens') and report.get('sidebar_closes')):
@@ -259,7 +345,9 @@ def check_phone(page:str, report:dict) -> list:
 
 
 def check_desktop(report:dict) -> list:
-    problems = []
+    problems = [f"the table of contents breaks a word: {b!r}" for b in report['toc_breaks']]
+    problems += [f"at {SCREEN['width']} px a {c['what']} is cut off, {c['needs']} px of content in {c['shown']} px: {c['why']} "
+                 f"({c['text']!r})" for c in report['cut_off']]
     if not report['sidebar']: problems.append(f"at {SCREEN['width']} px the sidebar is hidden")
     if report['toggle']: problems.append(f"at {SCREEN['width']} px the sidebar toggle shows")
     if report['width'] > report['viewport']: problems.append(f"at {SCREEN['width']} px the page is {report['width']} px wide")
@@ -340,11 +428,10 @@ def main():
     docs = Path(args.docs)
     pages = sorted(p.name for p in docs.glob('*.html'))
     if not pages: sys.exit(f'No pages in {docs}/: run `make docs` first')
-    site_url = args.site_url
-    if site_url is None:
-        from nbdev.config import get_config
-        cfg = get_config()
-        site_url = (cfg.get('doc_host', '') + cfg.get('doc_baseurl', '')).rstrip('/')
+    from nbdev.config import get_config
+    cfg = get_config()
+    site_url,repo_url = args.site_url,cfg.get('git_url', '')
+    if site_url is None: site_url = (cfg.get('doc_host', '') + cfg.get('doc_baseurl', '')).rstrip('/')
     shots = docs/'screenshots'
     shots.mkdir(exist_ok=True)
 
@@ -356,6 +443,9 @@ def main():
         for page in pages:
             reports[page],problems[page] = load(browser, session, docs/page)
             desktop[page] = evaluate(browser, session, DESKTOP_LAYOUT_JS)
+            desktop[page]['toc_breaks'] = evaluate(browser, session, TOC_BREAKS_JS)
+            desktop[page]['cut_off'] = evaluate(browser, session, CUT_OFF_JS)
+            problems[page] += [f"at {SCREEN['width']} px the copy button covers the end of {c}" for c in evaluate(browser, session, COPY_COVER_JS)]
             if page in args.screenshots: screenshot(browser, session, shots/f'{Path(page).stem}-{SCREEN["width"]}.png', args.full_page)
         ids = {page: set(r['ids']) for page,r in reports.items()}
         search_problems,searches = check_search(browser, session, docs, ids)
@@ -365,10 +455,13 @@ def main():
             problems[page] += more
             if page in args.screenshots: screenshot(browser, small, shots/f'{Path(page).stem}-{PHONE["width"]}.png', args.full_page)
             phone[page] = evaluate(browser, small, PHONE_REPORT_JS)
+            phone[page]['cut_off'] = evaluate(browser, small, CUT_OFF_JS)
+            problems[page] += [f"at {PHONE['width']} px the copy button covers the end of {c}" for c in evaluate(browser, small, COPY_COVER_JS)]
     finally: browser.close()
 
+    order = [h for h in reports.get('index.html', next(iter(reports.values())))['sidebar'] if h in reports]
     for page,report in reports.items():
-        problems[page] += (check_links(page, report, ids, docs, site_url) + check_page(page, report, pages) +
+        problems[page] += (check_links(page, report, ids, docs, site_url) + check_page(page, report, pages, order, repo_url) +
                            check_desktop(desktop[page]) + check_phone(page, phone[page]))
     problems['search'] = search_problems
     problems['_modidx.py and module docstrings'] = check_index(docs, ids, site_url)
