@@ -33,8 +33,8 @@ def _undo_with_fastai():
 _undo_with_fastai()
 
 # %% ../nbs/05_learner.ipynb #80bd3058
-_removed = {'masters': "masters='16+16' was removed: the default mode holds 12 bytes per parameter between steps, less "
-                       "than 16+16 did, at the speed of FP32 masters. Drop the argument.",
+_removed = {'masters': "masters='16+16' was removed: the default mode now holds 12 bytes per parameter between steps, "
+                       "as 16+16 did, at the speed of FP32 masters. Drop the argument.",
             'check_drift': "check_drift was removed: the model's parameters are the FP32 masters outside every forward, "
                            "so the 16-bit weights cannot drift from them. Drop the argument."}
 
