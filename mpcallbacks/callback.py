@@ -1,4 +1,4 @@
-"""A 16-bit model, FP32 master weights in the optimizer, loss scaling and the skip on overflow, for the length of a fit.
+"""Mixed precision for the length of a fit: the model's FP32 masters cast to 16 bits inside each forward, loss scaling, and the skip on overflow.
 
 Docs: https://mpcallbacks.github.io/mpcallbacks/callback.html.md"""
 
