@@ -176,10 +176,11 @@ def test_floor_keeps_skipping_and_counting_without_stopping():
     assert mmp.skipped == 7 and mmp.loss_scale == 1.
 
 def test_default_limits_never_trigger_during_normal_backoff():
-    learn = synth_learner().to_mixed() # 2**16 -> 1 takes 16 back-offs; the default allows 41 in a row
+    learn = synth_learner().to_mixed() # 2**16 -> 1 takes 16 back-offs; the default allows them plus 25 in a row
+    assert learn.master_mixed_precision.scaler.max_consecutive_skips == 41
     learn.fit(3, 1e-2, cbs=InjectNonFinite(at=range(16)))
     assert learn.master_mixed_precision.skipped == 16 and learn.master_mixed_precision.loss_scale == 1.
-    assert learn.master_mixed_precision.scaler.max_consecutive_skips == 41
+    assert learn.master_mixed_precision.scaler.max_consecutive_skips == 25 # the limit follows the scale: at 1, no back-off is left
 
 def test_nan_storm_stops_fit_with_cause_after_every_after_fit(tmp_path):
     learn = synth_learner(path=tmp_path).to_mixed(max_consecutive_skips=20)
