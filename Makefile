@@ -64,7 +64,7 @@ dist-check: $(STAMP)
 	$(PY) -m twine check --strict "$$tmp"/*; \
 	$(PY) tools/check_package.py "$$tmp"
 
-# Issue 4's benchmark on the device present: prints markdown tables, writes bench/results/ (results.md, PNG plots),
+# The benchmark against fastai on the device present: prints markdown tables, writes bench/results/ (results.md, PNG plots),
 # and ends with the headline ratios. A few minutes on 2 CPU cores.
 bench: $(STAMP)
 	$(PY) -m bench.run
