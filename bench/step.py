@@ -6,7 +6,8 @@ import torch
 from fastai.basics import Learner, Callback, CancelTrainException, CrossEntropyLossFlat, Adam, SGD
 import fastai.callback.fp16 # to_fp16, to_bf16
 from mpcallbacks.all import * # Learner.to_mixed
-from mpcallbacks.cast import cast_model
+import copy
+from mpcallbacks.cast import always_fp32
 from mpcallbacks.digits import digits_dls, digits_cnn
 from .common import (sync, quiet, batch_timer, median_ms, digits_mlp, linear_norm_stack, synthetic_dls,
                      to_non_native_fp16_any_device)
@@ -38,17 +39,24 @@ def hand_loop_step_times(make_model, dls, dtype, lr:float, steps:int, opt_func, 
         opt = opt_func(list(model.parameters()), lr=lr, wd=0.) # as the Learner's, built with wd=0.
         step = lambda xb,yb: (loss_func(model(xb), yb).backward(), opt.step(), opt.zero_grad())
     else:
-        cast = cast_model(model, dtype) # the same cast as `to_mixed()`: BatchNorm stays FP32, a hook casts the input
-        model16 = [h for h,_ in cast.pairs]
-        masters = [o for _,o in cast.pairs]
-        own32 = [p for p in model.parameters() if p.dtype == torch.float32] # BatchNorm's, trained as they are
+        # The classic master-weights loop an expert writes by hand: a 16-bit copy of the model (BatchNorm kept FP32, as
+        # `to_mixed()` keeps it), FP32 masters beside it, gradients copied over, the masters copied back after a step
+        masters = [p for m in model.modules() if not isinstance(m, always_fp32) for p in m.parameters(recurse=False)]
+        own32 = [p for m in model.modules() if isinstance(m, always_fp32) for p in m.parameters(recurse=False)]
+        net = copy.deepcopy(model)
+        for m in net.modules():
+            if isinstance(m, always_fp32): continue
+            for n,p in m._parameters.items():
+                if p is not None: m._parameters[n] = torch.nn.Parameter(p.detach().to(dtype))
+        model16 = [p for m in net.modules() if not isinstance(m, always_fp32) for p in m.parameters(recurse=False)]
+        own32 = [p for m in net.modules() if isinstance(m, always_fp32) for p in m.parameters(recurse=False)] # trained as they are
         for m in masters: m.grad = torch.zeros_like(m)
         master_grads = [m.grad for m in masters]
         opt = opt_func(masters + own32, lr=lr, wd=0.)
         scale = 2.**16 if dtype == torch.float16 else 1. # to_mixed's 'auto': dynamic from 2**16 for float16, none for bfloat16
         inv_scale = torch.full((), 1./scale, device=device)
         def step(xb, yb):
-            loss = loss_func(model(xb).float(), yb) # FP32 loss
+            loss = loss_func(net(xb.to(dtype)).float(), yb) # FP32 loss
             (loss * scale if scale != 1. else loss).backward()
             grads16 = [p.grad for p in model16]
             torch._foreach_copy_(master_grads, grads16)
@@ -69,7 +77,6 @@ def hand_loop_step_times(make_model, dls, dtype, lr:float, steps:int, opt_func, 
         sync(device)
         times.append(time.perf_counter() - start)
         if len(times) == steps: break
-    if dtype is not None: cast.restore()
     return times
 
 def _side_by_side_fits(runs:dict, rounds:int, skip:int) -> dict:
