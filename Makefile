@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements-dev.txt constraints.txt pyp
 QUIET_PIP := { grep -v '^WARNING: Location' || true; } # hide this machine's pip notices; pip's own failure still fails (pipefail)
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install demo test sync-check nbtest pytest bench readme readme-check dist-check docs docs-check
+.PHONY: install demo test sync-check nbtest pytest stack-test bench readme readme-check dist-check docs docs-check
 
 $(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,12 +37,34 @@ nbtest: $(STAMP)
 	$(BIN)/nbdev-test
 
 pytest: $(STAMP)
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q --durations=15 tests
 
 # The README's test command, and all CI runs: the notebooks are in sync and clean, README.md is fresh and renders on
 # PyPI, the wheel and sdist pass `twine check --strict` and carry the LICENSE, the notebook tests and pytest pass, and
 # the docs site builds and passes its checks in headless Chromium.
 test: sync-check readme-check dist-check nbtest pytest docs-check
+
+# The notebooks and the tests on another stack than the pinned one, in a venv of its own (STACK_VENV, .venv-$(STACK) by
+# default; PYTHON makes it), as CI's matrix runs them:
+#   make stack-test STACK=floor    the oldest releases pyproject.toml allows: torch 2.4.1, fastai 2.8.8, fastcore 2.0.0
+#   make stack-test STACK=newest   the newest torch and fastai, and everything else as pip resolves it today
+# nbdev-test and pytest only: the other checks of `make test` compare generated files that only the pinned nbdev and
+# nbconvert reproduce byte for byte.
+STACK ?= floor
+STACK_VENV ?= .venv-$(STACK)
+PYTHON ?= python3
+STACK_floor := torch==2.4.1 torchvision==0.19.1 fastai==2.8.8 fastcore==2.0.0
+STACK_newest := --upgrade torch torchvision fastai
+
+stack-test:
+	@test -n "$(STACK_$(STACK))" || { echo "STACK is floor or newest, not '$(STACK)'"; exit 1; }
+	test -x $(STACK_VENV)/bin/python || $(PYTHON) -m venv $(STACK_VENV)
+	$(STACK_VENV)/bin/python -m pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
+	$(STACK_VENV)/bin/python -m pip install -q $(STACK_$(STACK)) -e ".[dev]" 2>&1 | $(QUIET_PIP)
+	$(STACK_VENV)/bin/python -c "import sys, torch, fastai, fastcore, nbdev, mpcallbacks; print('python', sys.version.split()[0], \
+	  'torch', torch.__version__, 'fastai', fastai.__version__, 'fastcore', fastcore.__version__, 'nbdev', nbdev.__version__)"
+	$(STACK_VENV)/bin/nbdev-test
+	$(STACK_VENV)/bin/pytest -q --durations=15 tests
 
 # README.md is generated from nbs/index.ipynb: nbdev's processed notebook through nbconvert's markdown exporter, with
 # the `# title` and `> summary` on top instead of front matter (nbdev-readme needs Quarto, which cannot be installed here).

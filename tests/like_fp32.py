@@ -3,7 +3,7 @@ from dataclasses import dataclass, field
 import torch
 from fastai.basics import Callback, set_seed, noop
 import mpcallbacks.all # noqa: F401 (`Learner.to_mixed`)
-from intact import not_fp32, run_or_timeout
+from intact import not_fp32, call_lock_free
 
 class LossLog(Callback):
     "Each training batch's loss, as the loss function returned it"
@@ -39,8 +39,8 @@ def fit_once(make, mixed=None, epochs=2, lr=1e-2, cbs=(), seed=0, fit=None) -> R
     if mixed is not None: learn.to_mixed(**mixed)
     before = {n:p.detach().clone() for n,p in learn.model.named_parameters()}
     log = LossLog()
-    if fit is None: run_or_timeout(learn.fit, epochs, lr, cbs=[log, *cbs])
-    else: run_or_timeout(fit, learn, [log, *cbs])
+    if fit is None: call_lock_free(learn.fit, epochs, lr, cbs=[log, *cbs])
+    else: call_lock_free(fit, learn, [log, *cbs])
     return Run(learn, before, log.losses)
 
 def amax(t) -> float: return t.abs().max().item() if t.numel() else 0. # (fastai makes empty layers: BatchNorm1d(0))

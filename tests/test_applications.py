@@ -41,13 +41,13 @@ def make_resnet_channels_last():
     return make_resnet().to_channelslast(use_amp=False)
 
 def make_xresnet():
-    x, y = images()
-    return Learner(tensor_dls(x, y, 64), xresnet18(n_out=2, c_in=3), loss_func=CrossEntropyLossFlat())
+    x, y = images(64)
+    return Learner(tensor_dls(x, y, 32, bs=8), xresnet18(n_out=2, c_in=3), loss_func=CrossEntropyLossFlat())
 
 def make_unet():
-    x = torch.randn(20, 3, 32, 32)
+    x = torch.randn(12, 3, 16, 16)
     y = TensorMask((x[:, 0] > 0).long()) # each pixel's class: whether its red value is positive
-    return unet_learner(tensor_dls(TensorImage(x), y, 16, bs=4), resnet18, pretrained=False, n_out=2,
+    return unet_learner(tensor_dls(TensorImage(x), y, 8, bs=2), resnet18, pretrained=False, n_out=2,
                         loss_func=CrossEntropyLossFlat(axis=1))
 
 VOCAB, SEQ = 24, 20
@@ -154,13 +154,16 @@ def make_wgan(clip=0.01):
     return GANLearner.wgan(gan_dls(), generator, critic, clip=clip, opt_func=Adam, show_img=False)
 
 # (family, maker, epochs, lr, relative tolerance on the final loss, least cosine between the FP32 and mixed weight updates)
-# Update cosines measured here: resnet18 0.67, xresnet18 0.97, unet 0.58, awd_lstm_lm 0.9999, awd_lstm_classifier 0.90,
-# tabular 0.998, collab_dot 0.9995, collab_nn 0.89, transformer 0.9997. The convnets' are low because Adam turns the
-# rounding noise of near-zero gradients into full-size steps of either sign; a layer that does not train at all is caught
-# by the untouched-parameter check instead.
+# Update cosines measured here: resnet18 0.75, xresnet18 0.93, unet 0.45-0.47 (the same with native bfloat16 and with
+# AVX2's emulated bfloat16), awd_lstm_lm 0.9999, awd_lstm_classifier 0.90, tabular 0.998, collab_dot 0.9995, collab_nn 0.89,
+# transformer 0.9997. The convnets' are low because Adam turns the rounding noise of near-zero gradients into full-size
+# steps of either sign; a layer that does not train at all is caught by the untouched-parameter check instead.
+# The convnets' data is small because a CPU without native 16-bit math emulates them, and there the backward of a
+# bfloat16 convolution costs per sample and per weight, not per pixel: few, small batches. resnet18 keeps batches of 16
+# and lr 3e-4: with batches of 8, or lr 1e-3, its FP32 and bfloat16 fits part ways within the few steps (seeds 0-2 tried).
 FAMILIES = [
-    ('resnet18', make_resnet, 2, 1e-3, 0.15, 0.5),
-    ('resnet18_channels_last', make_resnet_channels_last, 2, 1e-3, 0.15, 0.5),
+    ('resnet18', make_resnet, 2, 3e-4, 0.15, 0.5),
+    ('resnet18_channels_last', make_resnet_channels_last, 2, 3e-4, 0.15, 0.5),
     ('xresnet18', make_xresnet, 2, 1e-3, 0.15, 0.8),
     ('unet', make_unet, 2, 1e-3, 0.15, 0.4),
     ('awd_lstm_lm', make_awd_lm, 3, 1e-2, 0.15, 0.9),

@@ -7,7 +7,7 @@ from fastai.basics import Learner, Callback, CrossEntropyLossFlat
 from fastai.callback.progress import ProgressCallback
 from mpcallbacks.all import cast_model, MasterMixedPrecision
 from mpcallbacks.test_utils import synth_dls, synth_learner
-from intact import assert_fp32_and_intact, hook_ids, run_or_timeout
+from intact import assert_fp32_and_intact, hook_ids, call_lock_free
 
 half_types = (torch.float16, torch.bfloat16)
 
@@ -40,7 +40,7 @@ def test_lazy_parameter_is_refused_at_to_mixed_and_model_untouched():
     with pytest.raises(ValueError, match=r'3\.(weight|bias)'): learn.to_mixed(torch.bfloat16)
     assert not any(isinstance(c, MasterMixedPrecision) for c in learn.cbs)
     assert_exactly_as_before(model, snap)
-    run_or_timeout(learn.fit, 1, 1e-2) # plain fastai trains this model
+    call_lock_free(learn.fit, 1, 1e-2) # plain fastai trains this model
     assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
 
 # ---- out of memory part way through the cast
@@ -102,7 +102,7 @@ def test_fit_out_of_memory_while_casting_leaves_learner_intact(where):
     learn = Learner(synth_dls(), model, loss_func=CrossEntropyLossFlat()).to_mixed(torch.bfloat16)
     learn.remove_cb(ProgressCallback)
     snap = snapshot(model)
-    with out_of_memory(), pytest.raises(RuntimeError, match='out of memory'): run_or_timeout(learn.fit, 1, 1e-2)
+    with out_of_memory(), pytest.raises(RuntimeError, match='out of memory'): call_lock_free(learn.fit, 1, 1e-2)
     assert_exactly_as_before(model, snap)
     assert_fp32_and_intact(learn, snap['hooks']) # once memory is there, training works
 
@@ -140,7 +140,7 @@ def test_ctrl_c_during_recast_after_mid_fit_save_leaves_learner_intact(tmp_path,
             with window:
                 try: self.learn.save('mid', with_opt=True)
                 finally: window.open = False
-    try: run_or_timeout(learn.fit, 2, 1e-2, cbs=SaveMidFit()); raised = False
+    try: call_lock_free(learn.fit, 2, 1e-2, cbs=SaveMidFit()); raised = False
     except KeyboardInterrupt: raised = True
     assert raised == window.fired, f"Ctrl-C at window point {k} (fired: {window.fired}) {'was swallowed' if window.fired else 'invented'}"
     monkeypatch.undo()

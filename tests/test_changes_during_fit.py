@@ -4,7 +4,7 @@ import pytest, torch
 from fastai.basics import Callback, set_seed
 from mpcallbacks.all import MasterMixedPrecision
 from mpcallbacks.test_utils import synth_learner, opt_params
-from intact import assert_fp32_and_intact, hook_ids, run_or_timeout
+from intact import assert_fp32_and_intact, hook_ids, call_lock_free
 
 # ---- learn.create_opt() between epochs: the new optimizer steps the FP32 tensors and the cast layers keep training
 
@@ -23,7 +23,7 @@ def test_create_opt_mid_fit_keeps_training_the_fp32_tensors():
     learn = synth_learner().to_mixed(torch.bfloat16)
     hooks = hook_ids(learn.model)
     cb = NewOptimizerAfterEpoch0()
-    run_or_timeout(learn.fit, 2, 1e-2, cbs=cb)
+    call_lock_free(learn.fit, 2, 1e-2, cbs=cb)
     assert cb.stepped == {torch.float32}, f"the new optimizer steps {cb.stepped} tensors"
     now = dict(learn.model.named_parameters())
     weights = [n for n, p in now.items() if p.dim() > 1] # the cast layers' weight matrices: they must keep training
@@ -43,7 +43,7 @@ def test_removing_mixed_precision_mid_fit_ends_fp32(how):
             if self.epoch != 0: return
             if how == 'to_unmixed': self.learn.to_unmixed()
             else: self.learn.remove_cb(self.learn.master_mixed_precision)
-    run_or_timeout(learn.fit, 2, 1e-2, cbs=Remove())
+    call_lock_free(learn.fit, 2, 1e-2, cbs=Remove())
     assert not any(isinstance(c, MasterMixedPrecision) for c in learn.cbs)
     assert_fp32_and_intact(learn, hooks)
 
@@ -63,7 +63,7 @@ def test_state_dict_snapshot_mid_fit_is_fp32_masters_and_loading_it_at_after_fit
     learn = synth_learner().to_mixed(torch.bfloat16)
     hooks = hook_ids(learn.model)
     cb = SnapshotAndRestore()
-    run_or_timeout(learn.fit, 2, 1e-2, cbs=cb)
+    call_lock_free(learn.fit, 2, 1e-2, cbs=cb)
     dtypes = {k:v.dtype for k, v in cb.snap.items() if v.is_floating_point()}
     assert set(dtypes.values()) == {torch.float32}, f"the snapshot holds {dtypes}"
     wrong = [n for n, m in cb.masters.items() if not torch.equal(cb.snap[n], m)]
@@ -92,7 +92,7 @@ def test_save_or_create_opt_between_forward_and_backward_trains_as_without(what,
         set_seed(0)
         learn = synth_learner(path=tmp_path).to_mixed(torch.bfloat16)
         hooks = hook_ids(learn.model)
-        run_or_timeout(learn.fit, 1, 1e-2, cbs=cbs)
+        call_lock_free(learn.fit, 1, 1e-2, cbs=cbs)
         return learn, hooks
     plain,_ = fit([])
     learn,hooks = fit([SaveBeforeBackward(what)])

@@ -6,7 +6,7 @@ from fastai.optimizer import Optimizer
 from fastai.callback.core import CancelFitException
 from mpcallbacks.test_utils import synth_learner, InjectNonFinite
 from test_with_fastai_callbacks import assert_same_state
-from intact import assert_fp32_and_intact, hook_ids, run_or_timeout
+from intact import assert_fp32_and_intact, hook_ids, call_lock_free
 
 scaler_key = 'mpcallbacks.loss_scaler' # where a checkpoint keeps the scaler's state, next to the optimizer's
 
@@ -45,7 +45,7 @@ def test_bad_scaler_entry_fails_clearly_and_loads_nothing(tmp_path, key, value):
     hooks, before = hook_ids(learn.model), state_of(learn)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
-        with pytest.raises((ValueError, TypeError), match=key): run_or_timeout(learn.load_checked, 'ck', with_opt=True)
+        with pytest.raises((ValueError, TypeError), match=key): call_lock_free(learn.load_checked, 'ck', with_opt=True)
     assert not [x for x in w if 'Could not load the optimizer state' in str(x.message)], "fastai's misleading warning"
     assert_same_learner_state(before, state_of(learn)) # nothing half-loaded
     assert_fp32_and_intact(learn, hooks)
@@ -83,6 +83,6 @@ def test_ctrl_c_inside_load_is_not_swallowed(tmp_path, monkeypatch):
     hooks = hook_ids(learn.model)
     def interrupted(self, sd): raise KeyboardInterrupt
     monkeypatch.setattr(Optimizer, 'load_state_dict', interrupted)
-    with pytest.raises(KeyboardInterrupt): run_or_timeout(learn.load_checked, 'ck', with_opt=True)
+    with pytest.raises(KeyboardInterrupt): call_lock_free(learn.load_checked, 'ck', with_opt=True)
     monkeypatch.undo()
     assert_fp32_and_intact(learn, hooks)

@@ -7,7 +7,7 @@ from fastai.data.block import DataBlock, TransformBlock, CategoryBlock
 from fastai.data.transforms import IndexSplitter
 from mpcallbacks.all import MasterMixedPrecision
 from mpcallbacks.test_utils import synth_learner, synth_model
-from intact import assert_fp32_and_intact, assert_at_rest, hook_ids, run_or_timeout, RaiseOnce
+from intact import assert_fp32_and_intact, assert_at_rest, hook_ids, call_lock_free, RaiseOnce
 
 def block_learner():
     "The synthetic problem through fastai's data block API: `predict` and `tta` need `Datasets`"
@@ -41,7 +41,7 @@ def test_exception_in_an_inference_entry_point_leaves_learner_intact(entry, even
     hooks = hook_ids(learn.model)
     e = exceptions[exc]()
     learn.add_cb(RaiseOnce(event, e, order=orders[order]))
-    with pytest.raises(type(e)): run_or_timeout(entry_points[entry], learn)
+    with pytest.raises(type(e)): call_lock_free(entry_points[entry], learn)
     if entry in locked_entries and event in ('before_fit', 'before_epoch'): fastai_keeps_the_lock(learn, entry, event, e)
     assert_fp32_and_intact(learn, hooks)
 
@@ -54,7 +54,7 @@ def fastai_keeps_the_lock(learn, entry, event, e):
     assert learn.lock.locked()
     plain = synth_learner() if entry != 'predict' else block_learner()
     plain.add_cb(RaiseOnce(event, type(e)(*e.args)))
-    with pytest.raises(type(e)): run_or_timeout(entry_points[entry], plain)
+    with pytest.raises(type(e)): call_lock_free(entry_points[entry], plain)
     assert plain.lock.locked(), "fastai now releases the lock: drop this allowance"
     left = lambda l: [cb for cb in l.cbs if type(cb).__name__ == 'GatherPredsCallback'] # and the callbacks it added for the call
     assert len(left(plain)) == len(left(learn))
@@ -66,7 +66,7 @@ def test_save_after_a_failed_validate_and_to_unmixed_writes_fp32(tmp_path):
     learn.fit(1, 1e-2)
     w = [p.detach().clone() for p in learn.model.parameters()]
     learn.add_cb(RaiseOnce('after_epoch', RuntimeError('boom'), order=MasterMixedPrecision.order - 1))
-    with pytest.raises(RuntimeError): run_or_timeout(learn.validate)
+    with pytest.raises(RuntimeError): call_lock_free(learn.validate)
     learn.to_unmixed()
     learn.save('after', with_opt=False)
     sd = torch.load(tmp_path/'models'/'after.pth', weights_only=True)
@@ -80,7 +80,7 @@ def test_nothing_left_to_cast_fails_at_to_mixed():
     learn = synth_learner()
     with pytest.raises(ValueError, match='keep_fp32'): learn.to_mixed(torch.bfloat16, keep_fp32=['*'])
     assert not any(isinstance(c, MasterMixedPrecision) for c in learn.cbs)
-    run_or_timeout(learn.get_preds)
+    call_lock_free(learn.get_preds)
     assert_fp32_and_intact(learn)
 
 def test_to_fp16_after_to_mixed_fails_clearly_and_holds_no_lock():
@@ -88,12 +88,12 @@ def test_to_fp16_after_to_mixed_fails_clearly_and_holds_no_lock():
     learn.fit(1, 1e-2)
     hooks = hook_ids(learn.model)
     learn.to_fp16()
-    with pytest.raises(ValueError, match='to_fp16'): run_or_timeout(learn.fit, 1) # training refuses the pair
+    with pytest.raises(ValueError, match='to_fp16'): call_lock_free(learn.fit, 1) # training refuses the pair
     assert_at_rest(learn, hooks)
-    preds, _ = run_or_timeout(learn.get_preds) # inference outside a fit casts nothing of ours: fastai's runs alone
+    preds, _ = call_lock_free(learn.get_preds) # inference outside a fit casts nothing of ours: fastai's runs alone
     assert_at_rest(learn, hooks)
     learn.remove_cb(MixedPrecision)
-    preds, _ = run_or_timeout(learn.get_preds) # the second call neither hangs nor fails
+    preds, _ = call_lock_free(learn.get_preds) # the second call neither hangs nor fails
     assert preds.dtype == torch.float32
     assert_fp32_and_intact(learn, hooks)
 
@@ -115,7 +115,7 @@ def one_batch_eval(learn, b):
 
 def outcome(f, learn, b):
     w = [p.detach().clone() for p in learn.model.parameters()]
-    try: run_or_timeout(f, learn, b); err = None
+    try: call_lock_free(f, learn, b); err = None
     except Exception as e: err = e
     moved = [not torch.equal(a, p.detach()) for a, p in zip(w, learn.model.parameters())]
     return err, moved
@@ -155,7 +155,7 @@ def test_inference_called_mid_fit_leaves_the_fit_as_without_it(how):
         set_seed(0)
         learn = synth_learner().to_mixed(torch.bfloat16)
         hooks = hook_ids(learn.model)
-        run_or_timeout(learn.fit, 3, 1e-2, cbs=cbs)
+        call_lock_free(learn.fit, 3, 1e-2, cbs=cbs)
         return learn, hooks
     plain,_ = fit([])
     look = PredictMidFit(how)

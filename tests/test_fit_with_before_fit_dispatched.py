@@ -2,7 +2,7 @@
 import pytest, torch
 from fastai.learner import _before_epoch # fastai's [before_fit, before_epoch], what `with learn:` dispatches
 from mpcallbacks.test_utils import synth_learner
-from intact import assert_fp32_and_intact, hook_ids, run_or_timeout, moved
+from intact import assert_fp32_and_intact, hook_ids, call_lock_free, moved
 
 def dispatched_then_fit(learn): learn(_before_epoch); learn.fit(3, 1e-2)
 def fit_inside_with(learn):
@@ -13,7 +13,7 @@ def train(how, mixed):
     if mixed: learn.to_mixed(torch.bfloat16)
     hooks = hook_ids(learn.model)
     w0 = [p.detach().clone() for p in learn.model.parameters()]
-    run_or_timeout(how, learn)
+    call_lock_free(how, learn)
     trained = {n:moved(a, p) for a, (n, p) in zip(w0, learn.model.named_parameters()) if p.dim() > 1} # the cast layers' weights
     losses = [float(l) for l in learn.recorder.losses]
     return learn, hooks, trained, sum(losses[:4])/4, sum(losses[-4:])/4

@@ -8,7 +8,7 @@ from fastai.learner import CastToTensor
 from fastai.callback.progress import ProgressCallback
 from mpcallbacks.all import cast_model
 from mpcallbacks.test_utils import synth_dls
-from intact import assert_fp32_and_intact, hook_ids, run_or_timeout
+from intact import assert_fp32_and_intact, hook_ids, call_lock_free
 
 Pair = namedtuple('Pair', 'x mask')
 Single = namedtuple('Single', 'x')
@@ -84,7 +84,7 @@ def test_fit_with_container_inputs(kind):
     learn.remove_cb(ProgressCallback)
     hooks = hook_ids(learn.model)
     check = CheckReceived()
-    run_or_timeout(learn.fit, 1, 1e-2, cbs=check)
+    call_lock_free(learn.fit, 1, 1e-2, cbs=check)
     assert check.checked == 8
     assert_fp32_and_intact(learn, hooks)
 
@@ -120,7 +120,7 @@ def test_fit_with_a_container_output(kind):
         learn = Learner(synth_dls(), OutNet(kind), loss_func=loss)
         learn.remove_cb(ProgressCallback)
         if mixed: learn.to_mixed(torch.bfloat16)
-        run_or_timeout(learn.fit, 1, 1e-2)
+        call_lock_free(learn.fit, 1, 1e-2)
         return learn, loss
     ref, ref_loss = fit(False)
     learn, loss = fit(True)
