@@ -220,7 +220,8 @@ class ModelCast:
         self.rnns = [m for m in {id(m):m for m,*_ in self.slots}.values() if hasattr(m, '_init_flat_weights')]
         self.sparse = {id(self.masters[i]) for m,_,i in self.slots if getattr(m, 'sparse', False) is True} # `Embedding(sparse=True)`'s
         self.modules = list(model.modules())
-        self.parametrizations = {id(m) for m in self.modules if isinstance(m, ParametrizationList)} # read outside a forward: FP32
+        # a parametrized weight read outside a forward computes from the masters, in FP32: the parametrization and its modules
+        self.parametrizations = {id(s) for m in self.modules if isinstance(m, ParametrizationList) for s in m.modules()}
         self.roles = _roles(model, kept_tops, plan)
         self.attrs16 = _attrs16(model) # 16-bit tensors the model held before: `restore` leaves them alone
         self.active = False # Whether forwards cast (the owner's setting)
