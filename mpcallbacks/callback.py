@@ -33,8 +33,9 @@ class MasterMixedPrecision(Callback):
     ):
         self.dtype = as_16bit_dtype(dtype)
         self.scaler = LossScaler.from_loss_scale(self.dtype, loss_scale, **kwargs)
-        bad = [k for k in tuplify(keep_fp32) if not isinstance(k, (type, str))]
-        if bad: raise TypeError(f"keep_fp32 takes module types and name patterns, got {bad}")
+        bad = [k for k in tuplify(keep_fp32) if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)))]
+        if bad: raise TypeError(f"keep_fp32 takes module types (subclasses of nn.Module, e.g. nn.LayerNorm) and name patterns "
+                                f"(e.g. '0.head*'), got {bad}")
         if not isinstance(mixed_inference, bool): raise TypeError(f"mixed_inference must be True or False, got {mixed_inference!r}")
         self.keep,self.mixed_inference = always_fp32 + tuple(tuplify(keep_fp32)),mixed_inference
         self.fit_state:MixedFit|None = None # Built at `before_fit`, dropped when the fit ends

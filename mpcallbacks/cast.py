@@ -87,6 +87,13 @@ def native_16bit_dtypes(
 # %% ../nbs/00_cast.ipynb #c6a2f514
 _warned = set()
 
+def _user_stacklevel() -> int:
+    "The `stacklevel` of the first frame outside torch, fastai, fastcore and mpcallbacks: the user's call (`learn.fit(...)`)"
+    f,level = sys._getframe(2),2 # (`warnings.warn`'s caller is level 1)
+    while f is not None and f.f_globals.get('__name__', '').split('.')[0] in ('torch', 'fastai', 'fastcore', 'mpcallbacks'):
+        f,level = f.f_back,level + 1
+    return level if f is not None else 2
+
 def warn_if_slow(
     dtype:torch.dtype, # The 16-bit type the model is cast to
     device:torch.device, # Where the model's parameters live
@@ -101,7 +108,7 @@ def warn_if_slow(
     faster = (f"`to_mixed({other})` is native here and the faster choice" if other in native else
               "FP32 (`learn.to_unmixed()`) is faster here; mixed precision pays off on a GPU, or a CPU with AMX")
     warnings.warn(f"{name} math is emulated on {where} and much slower than FP32: {faster} ({name} still trains correctly).",
-                  stacklevel=3)
+                  stacklevel=_user_stacklevel())
 
 # %% ../nbs/00_cast.ipynb #64e61131
 def _is_16bit(t:Tensor) -> bool: return t.dtype in (torch.float16, torch.bfloat16)

@@ -228,3 +228,16 @@ def test_this_machine_warns_by_the_same_rule():
         mp.setattr(mpcallbacks.cast, '_warned', set(), raising=False)
         assert bool(speed_warnings(torch.bfloat16)) == (not bf16_native), f"capability {cap}"
         assert bool(speed_warnings(torch.float16)) == (not fp16_native), f"capability {cap}"
+
+def test_the_speed_warning_points_at_the_users_call(monkeypatch):
+    "The warning names the line of the user's `fit`, not a line of fastai's callback dispatch"
+    monkeypatch.setattr(mpcallbacks.cast, 'native_16bit_dtypes', lambda device: set()) # a CPU that emulates both types
+    monkeypatch.setattr(mpcallbacks.cast, '_warned', set())
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        synth_learner().to_mixed(torch.bfloat16).fit(1)
+    emulated = [x for x in w if 'emulated' in str(x.message)]
+    assert len(emulated) == 1 and emulated[0].filename == __file__, [(x.filename, x.lineno) for x in emulated]
+
+def test_keep_fp32_refuses_a_type_that_is_no_module():
+    with pytest.raises(TypeError, match='subclasses of nn.Module'): synth_learner().to_mixed(torch.bfloat16, keep_fp32=[int])
