@@ -11,6 +11,8 @@ from contextlib import contextmanager, nullcontext
 from functools import partial
 from fastai.basics import *
 import copy # (after fastai's star import, which brings `copy.copy` in as `copy`)
+import numpy as np
+import errno, shutil
 from .scaler import LossScaler
 
 # %% auto #0
@@ -69,15 +71,39 @@ def drop_scaler(learn:Learner) -> None:
     if isinstance(getattr(learn, 'opt', None), OptimizerWithScaler): learn.opt = learn.opt.opt
 
 # %% ../nbs/05a_checkpoint.ipynb #75a27a17
+def _alive(pid:int) -> bool:
+    try: os.kill(pid, 0) # signal 0: nothing is sent, the process is only looked up
+    except ProcessLookupError: return False
+    except PermissionError: return True
+    return True
+
+def _drop_stale(path:Path) -> None:
+    "Remove the temporary files of `path` that a killed process left behind (POSIX: elsewhere `os.kill` would end it)"
+    if os.name != 'posix': return
+    for old in path.parent.glob(f'.{path.name}.*.tmp'):
+        pid = old.name[len(path.name)+2:-4]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)): old.unlink(missing_ok=True)
+
+def _disk_full(e:BaseException) -> bool:
+    "Whether `e` is a write that ran out of disk: `OSError(ENOSPC)`, or torch's zip writer's `unexpected pos` after one"
+    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (isinstance(e, RuntimeError) and 'unexpected pos' in str(e))
+
 @contextmanager
 def _replacing_file(path:Path):
     "A temporary file in `path`'s folder to write to; it becomes `path` only once written and flushed to the disk"
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _drop_stale(path)
     tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
     try:
-        yield tmp
-        with open(tmp, 'rb+') as f: os.fsync(f.fileno())
+        try:
+            yield tmp
+            with open(tmp, 'rb+') as f: os.fsync(f.fileno())
+        except Exception as e:
+            if not _disk_full(e): raise
+            raise OSError(errno.ENOSPC, f"No space left on the disk of {path.parent} ({shutil.disk_usage(path.parent).free:,} "
+                          f"bytes free) to write {path.name}: nothing was replaced, the previous file is intact. Free "
+                          "some space, or save elsewhere (`learn.path`, `learn.model_dir`).") from e
         os.replace(tmp, path)
     finally: tmp.unlink(missing_ok=True)
 
@@ -106,12 +132,18 @@ def export_atomic(self:Learner,
     return path
 
 # %% ../nbs/05a_checkpoint.ipynb #37d271fd
-def _scaler_entry(path:Path, weights_only:bool=True):
+def _scaler_entry(path:Path, **torch_load_kwargs):
     "The checkpoint's loss scaler entry, read as fastai's `load_model` will read the file (None where it has none)"
-    safe = getattr(torch.serialization, 'safe_globals', None) # torch 2.5 on; fastai's `L` is in its optimizers' entries
-    ctx = safe([L]) if (safe and weights_only) else nullcontext()
+    # The same `torch.load` as fastai's, with the globals it allows (its `L`, numpy's scalars and dtypes, which the
+    # hyper-parameters `fit_one_cycle` writes hold), so the same files load; memory-mapped, so that no tensor is read yet
+    safe = getattr(torch.serialization, 'safe_globals', None) # torch 2.5 on, as in fastai
+    if safe:
+        multiarray = getattr(np, '_core', None) or np.core
+        ctx = safe([L, multiarray.multiarray.scalar, np.dtype, *[getattr(np.dtypes, dt) for dt in np.dtypes.__all__]])
+        torch_load_kwargs.setdefault('weights_only', True)
+    else: ctx = nullcontext()
     try:
-        with ctx: state = torch.load(path, map_location='cpu', mmap=True, weights_only=weights_only)
+        with ctx: state = torch.load(path, **{**torch_load_kwargs, 'map_location': 'cpu', 'mmap': True})
     except Exception: return None # fastai's own load reports what is wrong with the file itself
     if isinstance(state, dict) and set(state) == {'model', 'opt'} and isinstance(state['opt'], dict): return state['opt'].get(scaler_key)
     return None
@@ -126,7 +158,7 @@ def load_checked(self:Learner,
     path = join_path_file(file, self.path/self.model_dir, ext='.pth')
     if self.opt is None: self.create_opt()
     if kwargs.get('with_opt', True) and isinstance(self.opt, OptimizerWithScaler):
-        entry = _scaler_entry(path, kwargs.get('weights_only', True))
+        entry = _scaler_entry(path, **{k:v for k,v in kwargs.items() if k not in ('with_opt', 'strict')})
         if entry is not None: self.opt.scaler.check_state_dict(entry)
     self.load(file, device=device, **kwargs)
     interrupted = getattr(self.opt, 'interrupted', None)

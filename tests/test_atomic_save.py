@@ -78,3 +78,28 @@ def test_sigkill_during_save_never_leaves_an_unloadable_checkpoint(tmp_path):
     for d in dirs:
         sd = torch.load(d/'models'/'ck.pth', weights_only=True) # raises on a truncated file
         assert sd.keys() == expected.keys() and all(torch.equal(sd[k], expected[k]) for k in sd)
+
+def torch_zip_writer_out_of_disk(obj, f, *args, **kwargs):
+    "What torch.save raises when the disk fills up part way through its zip writer"
+    data = b'PK\x03\x04' + b'\0' * 100
+    if hasattr(f, 'write'): f.write(data)
+    else:
+        with open(f, 'wb') as fh: fh.write(data)
+    raise RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 1234 vs 100')
+
+def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    learn = synth_learner(path=tmp_path).to_mixed(torch.bfloat16)
+    learn.save_atomic('ck', with_opt=False)
+    good = (tmp_path/'models'/'ck.pth').read_bytes()
+    monkeypatch.setattr(torch, 'save', torch_zip_writer_out_of_disk)
+    with pytest.raises(OSError, match='No space left.*previous file is intact'): learn.save_atomic('ck', with_opt=False)
+    monkeypatch.undo()
+    assert (tmp_path/'models'/'ck.pth').read_bytes() == good and sorted(os.listdir(tmp_path/'models')) == ['ck.pth']
+
+def test_temporary_files_of_a_killed_save_are_removed_by_the_next_save(tmp_path):
+    learn = synth_learner(path=tmp_path).to_mixed(torch.bfloat16)
+    (tmp_path/'models').mkdir()
+    p = subprocess.Popen([sys.executable, '-c', 'pass']); p.wait() # a pid that no longer runs
+    (tmp_path/'models'/f'.ck.pth.{p.pid}.tmp').write_bytes(b'half a checkpoint')
+    learn.save_atomic('ck', with_opt=False)
+    assert sorted(os.listdir(tmp_path/'models')) == ['ck.pth']

@@ -86,3 +86,14 @@ def test_ctrl_c_inside_load_is_not_swallowed(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt): call_lock_free(learn.load_checked, 'ck', with_opt=True)
     monkeypatch.undo()
     assert_fp32_and_intact(learn, hooks)
+
+def test_a_checkpoint_written_after_fit_one_cycle_is_checked_too(tmp_path):
+    "fit_one_cycle leaves numpy scalars in the optimizer's hyper-parameters: the check reads the file as fastai's load does"
+    import fastai.callback.schedule # fit_one_cycle
+    learn = float16_learner(tmp_path)
+    learn.fit_one_cycle(1, 1e-2)
+    learn.save('ck', with_opt=True)
+    tamper(tmp_path/'models'/'ck.pth', scale=-1.)
+    before = state_of(learn)
+    with pytest.raises(ValueError, match='scale'): call_lock_free(learn.load_checked, 'ck', with_opt=True)
+    assert_same_learner_state(before, state_of(learn)) # nothing half-loaded
