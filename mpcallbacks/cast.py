@@ -21,7 +21,7 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['always_fp32', 'norms_taking_16bit_input', 'keeps_fp32', 'as_16bit_dtype', 'native_16bit_dtypes', 'warn_if_slow',
-           'check_castable', 'unmatched_names', 'cast_floats', 'CastRole', 'ModelCast', 'cast_model']
+           'check_castable', 'unmatched_names', 'cast_summary', 'cast_floats', 'CastRole', 'ModelCast', 'cast_model']
 
 # %% ../nbs/00_cast.ipynb #a02f7f2c
 _SpectralNorm = getattr(parametrizations, '_SpectralNorm', None) # the parametrization (torch's private name)
@@ -176,6 +176,33 @@ def unmatched_names(
     "The name patterns in `keep` that match no module of `model`"
     names = [n for n,_ in model.named_modules()]
     return [k for k in keep if isinstance(k, str) and not any(fnmatchcase(n, k) for n in names)]
+
+# %% ../nbs/00_cast.ipynb #cfed8e40
+def _why_kept(name:str, module:nn.Module, keep:tuple) -> str:
+    if keeps_fp32(name, module, always_fp32): return 'normalization'
+    by = [repr(k) for k in keep if isinstance(k, str) and fnmatchcase(name, k)] + [k.__name__ for k in keep if isinstance(k, type) and isinstance(module, k)]
+    return f"keep_fp32 {by[0]}" if by else 'keep_fp32'
+
+def cast_summary(
+    model:nn.Module, # The FP32 model
+    dtype:torch.dtype=torch.float16, # The 16-bit type its forward casts to
+    keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
+) -> 'pd.DataFrame': # A row per module with parameters of its own
+    "Which modules' weights the forward casts to `dtype` and which stay FP32, why, and what they weigh"
+    import pandas as pd
+    kept_tops,_ = _cast_plan(model, keep)
+    names = {id(m):n for n,m in model.named_modules()}
+    top_of = {id(s):t for t in kept_tops for s in t.modules()}
+    rows = []
+    for name,m in model.named_modules():
+        own = [p for p in m.parameters(recurse=False) if p.is_floating_point()]
+        if not own: continue
+        top = top_of.get(id(m))
+        if top is None: why,dt = 'cast',dtype
+        else: why,dt = _why_kept(names[id(top)], top, keep) + ('' if top is m else f" (in `{names[id(top)]}`)"),torch.float32
+        n = sum(p.numel() for p in own)
+        rows.append(dict(module=name, type=type(m).__name__, forward=str(dt).split('.')[1], why=why, params=n, bytes=n * dt.itemsize))
+    return pd.DataFrame(rows, columns=['module', 'type', 'forward', 'why', 'params', 'bytes'])
 
 # %% ../nbs/00_cast.ipynb #d4f6aa1c
 def cast_floats(

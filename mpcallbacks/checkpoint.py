@@ -55,16 +55,19 @@ class ScalerOptFunc(partial):
         lr = opt_func.keywords.get('lr') if isinstance(opt_func, partial) else None # fastai's `create_opt` reads it there
         return super().__new__(cls, _with_scaler, opt_func, scaler, **({} if lr is None else {'lr': lr}))
     @property
-    def inner(self): return self.args[0]
+    def inner(self): # The `opt_func` it wraps
+        "The learner's own `opt_func`"
+        return self.args[0]
     def __reduce__(self): return (copy.copy, (self.inner,)) # an export loads without mpcallbacks
 
-# %% ../nbs/05a_checkpoint.ipynb #3526a941
+# %% ../nbs/05a_checkpoint.ipynb #e815cf45
 def carry_scaler(learn:Learner, scaler:LossScaler) -> None:
     "Have every optimizer of `learn` (the one it has, and those `create_opt` builds) carry `scaler`'s state"
     drop_scaler(learn)
     if not isinstance(learn.opt_func, OptimWrapper): learn.opt_func = ScalerOptFunc(learn.opt_func, scaler)
     if getattr(learn, 'opt', None) is not None: learn.opt = OptimizerWithScaler(learn.opt, scaler)
 
+# %% ../nbs/05a_checkpoint.ipynb #766de9e8
 def drop_scaler(learn:Learner) -> None:
     "Undo `carry_scaler`"
     if isinstance(learn.opt_func, ScalerOptFunc): learn.opt_func = learn.opt_func.inner
@@ -107,7 +110,7 @@ def _replacing_file(path:Path):
         os.replace(tmp, path)
     finally: tmp.unlink(missing_ok=True)
 
-# %% ../nbs/05a_checkpoint.ipynb #5ae66da8
+# %% ../nbs/05a_checkpoint.ipynb #8ad17b56
 @patch
 def save_atomic(self:Learner,
     file, # A name in `learn.path/learn.model_dir`, as for `learn.save`
@@ -120,6 +123,7 @@ def save_atomic(self:Learner,
         with open(tmp, 'wb') as f: self.save(f, **kwargs)
     return path
 
+# %% ../nbs/05a_checkpoint.ipynb #4b91bf3d
 @patch
 def export_atomic(self:Learner,
     fname='export.pkl', # A name in `learn.path`, as for `learn.export`

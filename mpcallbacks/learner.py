@@ -10,7 +10,7 @@ import inspect, warnings
 from contextlib import ExitStack
 from functools import wraps
 from fastai.basics import * # and no more of fastai: its `callback.progress` would add a progress bar to every learner
-from .cast import check_castable, unmatched_names
+from .cast import check_castable, unmatched_names, cast_summary
 from .callback import MasterMixedPrecision, check_no_fastai_fp16
 from . import checkpoint
 
@@ -78,6 +78,17 @@ def to_unmixed(self:Learner) -> Learner: # The learner itself, training in FP32
     for cb in cbs: cb.end_fit()
     checkpoint.drop_scaler(self)
     return self.remove_cbs(cbs)
+
+# %% ../nbs/05_learner.ipynb #6b9b632a
+@patch
+def mixed_summary(self:Learner,
+    by_reason:bool=False, # Sum the parameters and bytes of the modules that share a reason
+) -> 'pd.DataFrame': # A row per module with parameters of its own (or per reason)
+    "Which layers `to_mixed` casts to 16 bits for the forward and which stay FP32, and why, with their sizes"
+    cbs = self._grab_cbs(MasterMixedPrecision)
+    if not cbs: raise ValueError("mixed_summary() describes what `to_mixed()` does: call `learn.to_mixed()` first.")
+    res = cast_summary(self.model, cbs[0].dtype, cbs[0].keep)
+    return res.groupby(['forward', 'why'], sort=False)[['params', 'bytes']].sum().reset_index() if by_reason else res
 
 # %% ../nbs/05_learner.ipynb #70e96e13
 _fastai_fit = getattr(Learner.fit, '__wrapped__', Learner.fit) # fastai's own, also if this module is reloaded

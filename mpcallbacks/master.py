@@ -77,7 +77,7 @@ def after_backward(self:MasterParams,
     if found is not None: self.found_inf = found if self.found_inf is None else torch.maximum(self.found_inf, found)
     self.phase = GradPhase.UNSCALED
 
-# %% ../nbs/02_master.ipynb #9d740172
+# %% ../nbs/02_master.ipynb #9bf12b76
 @patch
 def stepping(self:MasterParams) -> None:
     "The step's gradients were found finite: the optimizer steps on them"
@@ -86,12 +86,14 @@ def stepping(self:MasterParams) -> None:
                              "after_backward() unscaled and checked.")
     self.phase = GradPhase.STEPPING
 
+# %% ../nbs/02_master.ipynb #1dc45e47
 @patch
 def stepped(self:MasterParams) -> None:
     "The optimizer stepped: free the gradients"
     if self.phase is not GradPhase.STEPPING: raise GradPhaseError(f"stepped() with {self.phase.value}: call stepping() first.")
     self._free_grads()
 
+# %% ../nbs/02_master.ipynb #bcb8d0e3
 @patch
 def skip(self:MasterParams) -> None:
     "Drop the step's gradients: nothing is stepped"

@@ -44,18 +44,20 @@ def start_training(self:MixedFit) -> None:
     self.grads.params = list({id(p):p for p in [*self.learn.model.parameters(),
                                                  *(p for pg in (opt.param_lists if opt else []) for p in pg)]}.values())
 
-# %% ../nbs/03a_mixed_fit.ipynb #98d3fa77
+# %% ../nbs/03a_mixed_fit.ipynb #8dfa3979
 @patch
 def begin_batch(self:MixedFit) -> None:
     "A training batch: its forwards cast"
     self.cast.begin()
 
+# %% ../nbs/03a_mixed_fit.ipynb #00226820
 @patch
 def end_batch(self:MixedFit) -> None:
     "Between batches: forwards run in FP32, and the casts are freed"
     if self.cast is not None: self.cast.end()
     self._outer = []
 
+# %% ../nbs/03a_mixed_fit.ipynb #390f13dc
 @patch
 def begin_validation(self:MixedFit) -> None:
     "A validation pass casts once for all its batches (if this fit casts)"
@@ -63,8 +65,10 @@ def begin_validation(self:MixedFit) -> None:
     self._outer.append(self.cast.active)
     self.cast.begin()
 
+# %% ../nbs/03a_mixed_fit.ipynb #987666fd
 @patch
 def end_validation(self:MixedFit) -> None:
+    "The pass is over: casting back to what it was before it (on, for a pass inside a training batch)"
     if self.cast is None: return
     self.cast.end()
     if self._outer and self._outer.pop(): self.cast.begin()

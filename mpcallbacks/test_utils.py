@@ -64,7 +64,9 @@ class InjectNonFinite(Callback):
     def after_backward(self):
         "Write the value into the first element of the first gradient, in a backward of a chosen step"
         if self.step in self.at: next(p for p in self.model.parameters() if p.grad is not None).grad.view(-1)[0] = self.value
-    def before_step(self): self.step += 1
+    def before_step(self):
+        "Count the step"
+        self.step += 1
 
 # %% ../nbs/97_test_utils.ipynb #8c9e5384
 sync_methods = ('item', '__bool__', '__float__', '__int__', 'tolist') # each copies a device value to the host
