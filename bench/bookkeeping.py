@@ -31,7 +31,7 @@ def bookkeeping_fns(model:nn.Module, dtype=torch.float16, device='cpu', loss_sca
     ours32 = _fp32_masters(model)
     masters,scaler = MasterParams(ours32),LossScaler(init_scale=loss_scale)
     ours_g32 = [torch.randn_like(p) * 1e-2 for p in ours32]
-    def backward_done(): # untimed: fresh FP32 gradients, as backward writes them (the last round's were unscaled in place)
+    def backward_done(): # untimed: fresh FP32 gradients, as backward writes them (the previous run's were unscaled in place)
         for p,g in zip(ours32, ours_g32): p.grad = g.clone()
         masters.before_backward(1.) # (no gradients were there before this backward: nothing to scale)
     def ours_grad_path():

@@ -1,4 +1,4 @@
-"""fastai's applications and the model families users bring train under `to_mixed(torch.bfloat16)` as in FP32 (issue 12).
+"""fastai's applications and the model families users bring train under `to_mixed(torch.bfloat16)` as in FP32.
 
 Each family is built twice on the same seed, on tiny data made here (no downloads, `pretrained=False`), and fit in FP32 and
 mixed. `assert_like_fp32` (tests/like_fp32.py) then checks: the loss fell, it ended within the stated relative tolerance of
@@ -241,7 +241,7 @@ def assert_gan_like_fp32(ref, mix, clip, lr, cos_min=0.8):
 
 @pytest.mark.parametrize('clip', [0.01, 0.05])
 def test_wgan_generator_moves_and_fp32_critic_is_clipped_as_in_fp32(clip):
-    "Item 2 of issue 12: the generator's weights move, and after fit the FP32 critic has |w| <= clip (+ one Adam step) as in FP32"
+    "The generator's weights move, and after fit the FP32 critic has |w| <= clip (+ one Adam step) as in FP32"
     ref = fit_once(lambda: make_wgan(clip), None, 2, 1e-3)
     mix = fit_once(lambda: make_wgan(clip), BF16, 2, 1e-3)
     assert_gan_like_fp32(ref, mix, clip=clip, lr=1e-3)

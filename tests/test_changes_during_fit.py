@@ -74,7 +74,7 @@ def test_state_dict_snapshot_mid_fit_is_fp32_masters_and_loading_it_at_after_fit
     assert_fp32_and_intact(learn, hooks)
 
 
-# ---- a checkpoint or a new optimizer between a forward and its backward (found by review)
+# ---- a checkpoint or a new optimizer between a forward and its backward
 
 class SaveBeforeBackward(Callback):
     "At `before_backward` of every training batch: `learn.save` (with the optimizer) or `learn.create_opt`"

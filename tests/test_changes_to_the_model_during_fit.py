@@ -1,4 +1,4 @@
-"""What a callback does to the model during a fit reaches the FP32 model as in FP32 training (issue 12, items 2 and 3):
+"""What a callback does to the model during a fit reaches the FP32 model as in FP32 training:
 `requires_grad` switched mid-fit, and weight constraints written in place (clamp, max-norm).
 
 Each test fits `synth_model` twice on the same seed, in FP32 and under `to_mixed()`, with the same callback."""
@@ -79,7 +79,7 @@ class FreezeThenUnfreeze(Callback):
         if self.training and self.epoch == 0 and self.iter == 3: self.learn.model[CONV].requires_grad_(True)
 
 def test_frozen_at_rest_then_unfrozen_in_the_forward_trains_on():
-    "The last change wins, on whichever side the model held at the time (found by review: the freeze stuck)"
+    "The last change wins, on whichever side the model held at the time (the freeze stuck)"
     make = lambda: synth_learner(opt_func=SGD)
     ref = fit_once(make, None, 1, 1e-1, cbs=[FreezeThenUnfreeze()])
     mix = fit_once(make, BF16, 1, 1e-1, cbs=[FreezeThenUnfreeze()])
@@ -188,7 +188,7 @@ def test_a_forward_between_batches_then_a_write_reaches_the_masters(grad):
     assert worst('clamp', ref.after[f'{LIN}.weight']) <= 0.02
     assert worst('clamp', mix.after[f'{LIN}.weight']) <= 0.02 * (1 + 1e-6)
 
-# ---- cancels, reads and calls between batches (found by review): the model rests, and the result is FP32's
+# ---- cancels, reads and calls between batches: the model rests, and the result is FP32's
 
 class StopAt(Callback):
     "Raise `exc` from `after_pred` of the 4th training batch (a time budget)"

@@ -1,4 +1,4 @@
-"Host syncs (issue 4): over a whole `fit`, `to_mixed()` adds at most one per training step to FP32's, plus at most two per fit."
+"Host syncs: over a whole `fit`, `to_mixed()` adds at most one per training step to FP32's, plus at most two per fit."
 from collections import Counter
 import pytest, torch
 from fastai.basics import Callback

@@ -1,5 +1,4 @@
-"""Inference after a mixed-precision fit gives the same predictions on the live learner and on the exported one (issue 12,
-item 7). The default encoded here: outside a fit the live learner predicts in FP32, with the FP32 model the fit left (as
+"""Inference after a mixed-precision fit gives the same predictions on the live learner and on the exported one. The default encoded here: outside a fit the live learner predicts in FP32, with the FP32 model the fit left (as
 the exported learner does); `get_preds`/`validate` do not cast the model."""
 import pytest, torch
 from fastai.basics import Callback, Learner, DataLoaders, CrossEntropyLossFlat, load_learner
@@ -56,7 +55,7 @@ def test_live_and_exported_learner_predict_the_same(mixed_fit, tmp_path):
     exported_loss = float(loaded.validate(dl=dl)[0])
     assert abs(live_loss - exported_loss) <= 1e-6, f"validate: live {live_loss}, exported {exported_loss}"
 
-# ---- tta runs the model as get_preds does, in both settings (found by review: it always ran FP32)
+# ---- tta runs the model as get_preds does, in both settings (it always ran FP32)
 
 class ForwardDtypes(Callback):
     "The dtypes of the model's parameters as each forward of an inference call ran them (inside the forward)"

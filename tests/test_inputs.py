@@ -88,7 +88,7 @@ def test_fit_with_container_inputs(kind):
     assert check.checked == 8
     assert_fp32_and_intact(learn, hooks)
 
-# ---- outputs: the loss function gets the model's own container, its tensors in FP32 (found by review)
+# ---- outputs: the loss function gets the model's own container, its tensors in FP32
 
 Out = namedtuple('Out', 'logits aux')
 class ModelOutput(OrderedDict):

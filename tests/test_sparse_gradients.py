@@ -1,5 +1,5 @@
 """`nn.Embedding(sparse=True)` with an optimizer that takes sparse gradients trains under `to_mixed()` as in FP32
-(issue 12, item 6). The issue allows refusing at `to_mixed()` instead; this encodes the stronger choice: it trains."""
+(refusing it at `to_mixed()` would have been the weaker choice)."""
 from functools import partial
 import pytest, torch
 from torch import nn

@@ -1,5 +1,5 @@
 """Models that make FP32 tensors inside `forward` (an LSTM's explicit zero state, a positional signal built with `.float()`,
-noise from `torch.randn`) train under `to_mixed()` as in FP32 (issue 12, item 4)."""
+noise from `torch.randn`) train under `to_mixed()` as in FP32."""
 import sys
 import math
 import pytest, torch

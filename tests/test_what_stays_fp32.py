@@ -1,4 +1,4 @@
-"""What stays FP32, what is left behind after a fit, and the CPU speed warning match what the docs say (issue 12, item 5).
+"""What stays FP32, what is left behind after a fit, and the CPU speed warning match what the docs say.
 
 The README says "Normalization layers stay FP32": LayerNorm and GroupNorm included, by default. After a fit nothing of
 16 bits is left anywhere in the module tree, plain tensor attributes included. The warning that a 16-bit type is slow on
@@ -127,7 +127,7 @@ def test_after_fit_the_fp32_model_runs_a_plain_forward_as_a_fresh_copy_does(make
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
-# ---- a module kept in FP32 by name hands its output on in FP32 (found by review: a head's predictions were rounded)
+# ---- a module kept in FP32 by name hands its output on in FP32 (a head's predictions were rounded)
 
 class Preds(Callback):
     "Every training prediction, as the loss function gets it"
