@@ -6,13 +6,17 @@ from mpcallbacks.test_utils import synth_learner
 from test_entry_points import block_learner
 from intact import assert_fp32_and_intact, hook_ids
 
-def partial_write_then_disk_full(obj, f, *args, **kwargs):
-    "What torch.save does when the disk fills up: some bytes written to its target, then an error"
-    data = b'PK\x03\x04' + b'\0' * 1000
-    if hasattr(f, 'write'): f.write(data)
-    else:
-        with open(f, 'wb') as fh: fh.write(data)
-    raise OSError(28, 'No space left on device')
+def partial_write_then(error):
+    "A torch.save that writes some bytes to its target, then raises `error`: what a save does when the disk fills up"
+    def save(obj, f, *args, **kwargs):
+        data = b'PK\x03\x04' + b'\0' * 1000
+        if hasattr(f, 'write'): f.write(data)
+        else:
+            with open(f, 'wb') as fh: fh.write(data)
+        raise error
+    return save
+
+partial_write_then_disk_full = partial_write_then(OSError(28, 'No space left on device'))
 
 def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
     learn = synth_learner(path=tmp_path).to_mixed(torch.bfloat16)
@@ -79,13 +83,8 @@ def test_sigkill_during_save_never_leaves_an_unloadable_checkpoint(tmp_path):
         sd = torch.load(d/'models'/'ck.pth', weights_only=True) # raises on a truncated file
         assert sd.keys() == expected.keys() and all(torch.equal(sd[k], expected[k]) for k in sd)
 
-def torch_zip_writer_out_of_disk(obj, f, *args, **kwargs):
-    "What torch.save raises when the disk fills up part way through its zip writer"
-    data = b'PK\x03\x04' + b'\0' * 100
-    if hasattr(f, 'write'): f.write(data)
-    else:
-        with open(f, 'wb') as fh: fh.write(data)
-    raise RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 1234 vs 100')
+# torch's zip writer, once the disk is full part way through
+torch_zip_writer_out_of_disk = partial_write_then(RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 1234 vs 100'))
 
 def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     learn = synth_learner(path=tmp_path).to_mixed(torch.bfloat16)
