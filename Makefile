@@ -41,8 +41,11 @@ pytest: $(STAMP)
 
 # The README's test command, and all CI runs: the notebooks are in sync and clean, README.md is fresh and renders on
 # PyPI, the wheel and sdist pass `twine check --strict` and carry the LICENSE, the notebook tests and pytest pass, and
-# the docs site builds and passes its checks in headless Chromium.
-test: sync-check readme-check dist-check nbtest pytest docs-check
+# the docs site builds and passes its checks in headless Chromium. The quick checks run first; then nbdev-test, pytest
+# and the docs at once (pytest runs in one thread, so alone it would leave the other core idle), each target's output
+# printed whole when it ends.
+test: sync-check readme-check dist-check
+	$(MAKE) --no-print-directory -j3 --output-sync=target nbtest pytest docs-check
 
 # The notebooks and the tests on another stack than the pinned one, in a venv of its own (STACK_VENV, .venv-$(STACK) by
 # default; PYTHON makes it), as CI's matrix runs them:
