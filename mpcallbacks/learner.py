@@ -48,6 +48,9 @@ def _check_arguments(kwargs:dict) -> None:
                                 f"{', '.join(sorted(known))}.")
 
 # %% ../nbs/05_learner.ipynb #3d80d9b3
+def _compiled(model) -> bool: return any(type(m).__name__ == 'OptimizedModule' for m in model.modules()) # torch.compile's wrapper
+def _torch_version() -> tuple: return tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2])
+
 @patch
 @delegates(MasterMixedPrecision.__init__)
 def to_mixed(self:Learner,
@@ -60,6 +63,10 @@ def to_mixed(self:Learner,
     check_no_fastai_fp16(self)
     cb = MasterMixedPrecision(dtype, **kwargs)
     check_castable(self.model, cb.keep)
+    if _compiled(self.model) and _torch_version() < (2, 14):
+        warnings.warn(f"to_mixed with torch.compile is tested on torch 2.14 and newer. With torch {torch.__version__} (2.4 "
+                      "checked) the compiled code does not run torch's global module hooks, which cast each 16-bit layer's "
+                      "inputs, and the fit stops with a dtype error: upgrade torch, or train the model uncompiled.", stacklevel=2)
     for k in unmatched_names(self.model, cb.keep):
         warnings.warn(f"keep_fp32: the name pattern {k!r} matches no module of the model (names look like "
                       f"{[n for n,_ in self.model.named_modules()][1:4]}); to keep a type of layer, pass the class itself.", stacklevel=2)

@@ -161,6 +161,8 @@ def make_wgan(clip=0.01):
 # The convnets' data is small because a CPU without native 16-bit math emulates them, and there the backward of a
 # bfloat16 convolution costs per sample and per weight, not per pixel: few, small batches. resnet18 keeps batches of 16
 # and lr 3e-4: with batches of 8, or lr 1e-3, its FP32 and bfloat16 fits part ways within the few steps (seeds 0-2 tried).
+OLD_TORCH = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]) < (2, 14) # see the supported page's limits
+
 FAMILIES = [
     ('resnet18', make_resnet, 2, 3e-4, 0.15, 0.5),
     ('resnet18_channels_last', make_resnet_channels_last, 2, 3e-4, 0.15, 0.5),
@@ -175,11 +177,12 @@ FAMILIES = [
     ('transformer', make_transformer, 3, 1e-3, 0.15, 0.9),
     ('weight_and_spectral_norm', make_normalized_weights(False), 2, 1e-2, 0.15, 0.8),
     ('weight_and_spectral_norm_hooks', make_normalized_weights(True), 2, 1e-2, 0.15, 0.8),
-    ('torch.compile', make_compiled, 2, 1e-2, 0.15, 0.9),
+    pytest.param('torch.compile', make_compiled, 2, 1e-2, 0.15, 0.9, marks=pytest.mark.xfail(OLD_TORCH, strict=False,
+        reason="torch.compile with to_mixed needs torch 2.14 or newer: older dynamo skips torch's global module hooks")),
     ('wgan', make_wgan, 2, 1e-3, None, 0.8), # checked by `assert_gan_like_fp32` below: WGAN's loss does not simply fall
 ]
 
-@pytest.mark.parametrize('name,make,epochs,lr,rtol,cos_min', FAMILIES, ids=[f[0] for f in FAMILIES])
+@pytest.mark.parametrize('name,make,epochs,lr,rtol,cos_min', FAMILIES, ids=[f.values[0] if hasattr(f, 'values') else f[0] for f in FAMILIES])
 def test_family_trains_as_in_fp32(name, make, epochs, lr, rtol, cos_min):
     ref = fit_once(make, None, epochs, lr)
     mix = fit_once(make, BF16, epochs, lr)
@@ -245,3 +248,9 @@ def test_wgan_generator_moves_and_fp32_critic_is_clipped_as_in_fp32(clip):
     ref = fit_once(lambda: make_wgan(clip), None, 2, 1e-3)
     mix = fit_once(lambda: make_wgan(clip), BF16, 2, 1e-3)
     assert_gan_like_fp32(ref, mix, clip=clip, lr=1e-3)
+
+def test_a_compiled_model_on_an_older_torch_is_warned_about(monkeypatch):
+    import mpcallbacks.learner
+    monkeypatch.setattr(mpcallbacks.learner, '_torch_version', lambda: (2, 4))
+    learn = make_compiled()
+    with pytest.warns(UserWarning, match='torch 2.14 and newer'): learn.to_mixed(torch.bfloat16)
