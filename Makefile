@@ -62,7 +62,7 @@ STACK_floor := torch==2.4.1 torchvision==0.19.1 fastai==2.8.8 "fastcore==2.0.0; 
 STACK_newest := --upgrade torch torchvision fastai
 
 stack-test:
-	@test -n "$(STACK_$(STACK))" || { echo "STACK is floor or newest, not '$(STACK)'"; exit 1; }
+	@test -n "$(filter floor newest,$(STACK))" || { echo "STACK is floor or newest, not '$(STACK)'"; exit 1; }
 	test -x $(STACK_VENV)/bin/python || $(PYTHON) -m venv $(STACK_VENV)
 	$(STACK_VENV)/bin/python -m pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
 	$(STACK_VENV)/bin/python -m pip install -q $(STACK_$(STACK)) -e ".[dev]" 2>&1 | $(QUIET_PIP)
