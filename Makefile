@@ -50,17 +50,19 @@ test: sync-check readme-check dist-check
 # The notebooks and the tests on another stack than the pinned one, in a venv of its own (STACK_VENV, .venv-$(STACK) by
 # default; PYTHON makes it), as CI's matrix runs them:
 #   make stack-test STACK=floor    the oldest releases pyproject.toml allows: torch 2.4.1, fastai 2.8.8, fastcore 2.0.0
+#                                  (2.1.0 on Python 3.10, which fastcore 2.0 does not support)
 #   make stack-test STACK=newest   the newest torch and fastai, and everything else as pip resolves it today
 # nbdev-test and pytest only: the other checks of `make test` compare generated files that only the pinned nbdev and
 # nbconvert reproduce byte for byte.
 STACK ?= floor
 STACK_VENV ?= .venv-$(STACK)
 PYTHON ?= python3
-STACK_floor := torch==2.4.1 torchvision==0.19.1 fastai==2.8.8 fastcore==2.0.0
+STACK_floor := torch==2.4.1 torchvision==0.19.1 fastai==2.8.8 "fastcore==2.0.0; python_version>='3.11'" \
+	"fastcore==2.1.0; python_version<'3.11'"
 STACK_newest := --upgrade torch torchvision fastai
 
 stack-test:
-	@test -n "$(STACK_$(STACK))" || { echo "STACK is floor or newest, not '$(STACK)'"; exit 1; }
+	@test -n "$(filter floor newest,$(STACK))" || { echo "STACK is floor or newest, not '$(STACK)'"; exit 1; }
 	test -x $(STACK_VENV)/bin/python || $(PYTHON) -m venv $(STACK_VENV)
 	$(STACK_VENV)/bin/python -m pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
 	$(STACK_VENV)/bin/python -m pip install -q $(STACK_$(STACK)) -e ".[dev]" 2>&1 | $(QUIET_PIP)
