@@ -99,18 +99,19 @@ def mixed_summary(self:Learner,
 
 # %% ../nbs/05_learner.ipynb #70e96e13
 _fastai_fit = getattr(Learner.fit, '__wrapped__', Learner.fit) # fastai's own, also if this module is reloaded
+_fit_signature = inspect.signature(_fastai_fit) # (so that the wrapper passes on whatever arguments fastai's `fit` takes)
 
 def _mixed_cbs(learn, cbs=None) -> list:
     "Our callbacks on `learn`, and those in `cbs` (passed to one `fit`)"
     return list(dict.fromkeys([*learn._grab_cbs(MasterMixedPrecision), *(c for c in L(cbs) if isinstance(c, MasterMixedPrecision))]))
 
 @wraps(_fastai_fit)
-def _fit(self, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, start_epoch=0):
-    mine = _mixed_cbs(self, cbs)
-    if not mine: return _fastai_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=start_epoch)
+def _fit(self, *args, **kwargs):
+    mine = _mixed_cbs(self, _fit_signature.bind(self, *args, **kwargs).arguments.get('cbs'))
+    if not mine: return _fastai_fit(self, *args, **kwargs)
     with ExitStack() as stack:
         for cb in mine: stack.enter_context(cb.running_fit())
-        res = _fastai_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=start_epoch)
+        res = _fastai_fit(self, *args, **kwargs)
     for cb in mine:
         if cb.stopped_by is not None:
             err,cb.stopped_by = cb.stopped_by,None
