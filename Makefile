@@ -36,14 +36,18 @@ sync-check: $(STAMP)
 nbtest: $(STAMP)
 	$(BIN)/nbdev-test
 
+# One worker per core (pytest-xdist), each taking a whole test file at a time: the data-parallel tests share one launch
+# of their processes (a module fixture). (`--dist loadgroup` would split files further, but with pytest 9.2 it no longer
+# groups: pytest-xdist's issue 1386.)
+PYTEST_ARGS := -q --durations=15 -n auto --dist loadfile tests
+
 pytest: $(STAMP)
-	$(BIN)/pytest -q --durations=15 tests
+	$(BIN)/pytest $(PYTEST_ARGS)
 
 # The README's test command, and all CI runs: the notebooks are in sync and clean, README.md is fresh and renders on
 # PyPI, the wheel and sdist pass `twine check --strict` and carry the LICENSE, the notebook tests and pytest pass, and
 # the docs site builds and passes its checks in headless Chromium. The quick checks run first; then nbdev-test, pytest
-# and the docs at once (pytest runs in one thread, so alone it would leave the other core idle), each target's output
-# printed whole when it ends.
+# (in a worker per core) and the docs at once, each target's output printed whole when it ends.
 test: sync-check readme-check dist-check
 	$(MAKE) --no-print-directory -j3 --output-sync=target nbtest pytest docs-check
 
@@ -69,7 +73,7 @@ stack-test:
 	$(STACK_VENV)/bin/python -c "import sys, torch, fastai, fastcore, nbdev, mpcallbacks; print('python', sys.version.split()[0], \
 	  'torch', torch.__version__, 'fastai', fastai.__version__, 'fastcore', fastcore.__version__, 'nbdev', nbdev.__version__)"
 	$(STACK_VENV)/bin/nbdev-test
-	$(STACK_VENV)/bin/pytest -q --durations=15 tests
+	$(STACK_VENV)/bin/pytest $(PYTEST_ARGS)
 
 # README.md is generated from nbs/index.ipynb: nbdev's processed notebook through nbconvert's markdown exporter, with
 # the `# title` and `> summary` on top instead of front matter (nbdev-readme needs Quarto, which cannot be installed here).
