@@ -94,6 +94,14 @@ class PrecisionProbe:
         self.outs = []
 
 # %% ../nbs/07_doctor.ipynb #6ce5d5b0
+def _attrs(m:nn.Module) -> list: return [(o, dict(vars(o))) for o in m.modules()] # (a stateful RNN's hidden state)
+
+def _set_attrs(attrs:list) -> None:
+    for o,d in attrs:
+        now = vars(o)
+        for k in set(now) - set(d): del now[k]
+        now.update(d)
+
 def _rng_state(device:torch.device) -> tuple:
     return (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == 'cuda' else None)
 
@@ -127,8 +135,9 @@ def _flush(self:PrecisionProbe) -> None:
 
 @patch
 def _before(self:PrecisionProbe, name:str):
+    "Keep the random state and the attributes of the module and its children as the forward starts, for the rerun"
     def hook(m, args):
-        if not self._rerunning: self._rng[name] = _rng_state(self.device)
+        if not self._rerunning: self._rng[name] = (_rng_state(self.device), _attrs(m))
     return hook
 
 @patch
@@ -146,12 +155,13 @@ def _after(self:PrecisionProbe, name:str):
 # %% ../nbs/07_doctor.ipynb #240323e4
 @patch
 def _rerun(self:PrecisionProbe, name:str, m:nn.Module, args, kwargs, outs:list) -> None:
-    "Rerun `m` in 16 bits on the same input and random state; keep the largest relative error of its output"
+    "Rerun `m` in 16 bits on the same input, random state and attributes; keep the largest relative error of its output"
     dev = self.device
-    now = _rng_state(dev)
+    (rng,attrs),now = self._rng.pop(name),(_rng_state(dev), _attrs(m))
     self._rerunning = True
     try:
-        _set_rng_state(self._rng.pop(name), dev)
+        _set_rng_state(rng, dev)
+        _set_attrs(attrs)
         self.cast.begin()
         with torch.no_grad(): out16 = _floats(m(*args, **kwargs))
     except (RuntimeError, TypeError, ValueError) as e:
@@ -159,7 +169,8 @@ def _rerun(self:PrecisionProbe, name:str, m:nn.Module, args, kwargs, outs:list) 
         return
     finally:
         self.cast.active,self._rerunning = False,False # (not `end()`: the casts serve the next modules of the batch)
-        _set_rng_state(now, dev)
+        _set_rng_state(now[0], dev)
+        _set_attrs(now[1]) # as the FP32 forward left them
     if len(out16) != len(outs) or any(a.shape != b.shape for a,b in zip(out16, outs)):
         self.failed[name] = ValueError('its 16-bit output has another shape')
         return
@@ -267,6 +278,11 @@ def read(self:PrecisionProbe) -> 'pd.DataFrame': # A row per measured module, th
     v[:, :, 1:-1] = flat[m*k:m*k + m*k*_nbins].reshape(m, k, _nbins)
     v[:, 0, -1] = flat[m*k + m*k*_nbins:]
     big = torch.finfo(self.dtype).max
+    runs_in = {} # a module whose rerun failed alone, and the nearest block above it whose rerun ran it
+    for n in self.failed:
+        above = [a for a in self.owns if n.startswith(a + '.') and a not in self.failed]
+        if above: runs_in[n] = max(above, key=len)
+    for n in runs_in: del self.failed[n] # (judged by that block: in the fit it runs inside it)
     rows,firsts = [],{}
     for name,o in zip(self.owns, v):
         (_, in_under),(act_over, act_under) = [_shares(o[k, 1:-1], self.dtype, 1.) for k in (0, 1)]
@@ -274,6 +290,7 @@ def read(self:PrecisionProbe) -> 'pd.DataFrame': # A row per measured module, th
         r = dict(in_max=o[0, 0], in_headroom=_bits(big, o[0, 0]), in_underflow=in_under, act_max=o[1, 0], act_headroom=_bits(big, o[1, 0]),
                  act_floor=_floor(o[1, 1:-1], big, 1.), act_overflow=act_over, act_underflow=act_under, sensitivity=sens)
         firsts[name] = self._forward_verdict(name, r)
+        if name in runs_in: r['sensitivity'] = math.nan # (not measured alone)
         rows.append((name, o, r))
     # the gradients that stay 16-bit: of the modules not kept, nor inside a kept one
     kept = [n for n,f in firsts.items() if f is not None]
@@ -288,6 +305,7 @@ def read(self:PrecisionProbe) -> 'pd.DataFrame': # A row per measured module, th
                  grad_overflow=grad_over, grad_underflow=grad_under)
         inside = next((k for k in kept if name.startswith(k + '.')), None)
         verdict,reason,why = firsts[name] or (('fine',f"in FP32 inside `{inside}`",'') if inside else self._grad_verdict(r))
+        if name in runs_in and verdict == 'fine' and not reason: reason = f"runs in 16 bits only inside `{runs_in[name]}`, judged there"
         out.append(dict(module=name, type=type(mods[name]).__name__, verdict=verdict, reason=reason, **r, keep_as=why))
     res = pd.DataFrame(out, columns=_columns)
     rank = res.verdict.map(_order)
@@ -298,10 +316,11 @@ def read(self:PrecisionProbe) -> 'pd.DataFrame': # A row per measured module, th
 
 # %% ../nbs/07_doctor.ipynb #26fe011e
 class _Untouched:
-    "Snapshot of what a measurement may change, put back on exit: module attributes and buffers, random states, the loader's"
-    def __init__(self, model:nn.Module, dl, device:torch.device): self.model,self.dl,self.device = model,dl,device
+    "Snapshot of what a measurement may change, put back on exit: attributes, buffers, random states, the loader's"
+    def __init__(self, learn:Learner): self.learn,self.model,self.dl = learn,learn.model,learn.dls.train
     def __enter__(self):
-        self.vars = [(m, dict(vars(m))) for m in self.model.modules()] # `training`, plain attributes (an RNN's hidden state)
+        # `training`, plain attributes (an RNN's hidden state); the learner's (`pred`, `xb`) and its callbacks'
+        self.vars = [(o, dict(vars(o))) for o in [*self.model.modules(), self.learn, *self.learn.cbs]]
         self.bufs = [(m, k, b, b.clone()) for m in self.model.modules() for k,b in m._buffers.items() if b is not None]
         self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
                     torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
@@ -360,13 +379,17 @@ def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:b
     dl,model = learn.dls.train,learn.model
     n = min(n_batches, len(dl)) if hasattr(dl, '__len__') else n_batches
     n_inp = getattr(learn.dls, 'n_inp', 1)
-    with _Untouched(model, dl, next(p.device for p in model.parameters())):
+    def loss_of(pred): # as a fit computes it: the callbacks' `after_pred` first (an RNN's takes the output the loss wants)
+        learn.pred = pred
+        learn('after_pred')
+        return learn.loss_func(cast_floats(learn.pred, torch.float32), *learn.yb)
+    with _Untouched(learn):
         probe = PrecisionProbe(model, dtype, keep, scale, dynamic)
         try:
             model.train()
             for _,b in _progress(learn, zip(range(n), dl), n):
-                xb,yb = b[:n_inp],b[n_inp:]
-                probe.measure(xb, lambda pred: learn.loss_func(cast_floats(pred, torch.float32), *yb))
+                learn.xb,learn.yb = b[:n_inp],b[n_inp:]
+                probe.measure(learn.xb, loss_of)
             res = probe.read()
         finally: probe.close()
     res.attrs['n_batches'] = n

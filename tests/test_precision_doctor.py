@@ -307,3 +307,16 @@ def test_report_defaults_follow_to_mixed():
     assert rep.attrs['dtype'] == torch.float16 and rep.attrs['dynamic']
     with pytest.raises(ValueError, match='n_batches'): gain_learner().precision_report(n_batches=0)
     with pytest.raises(ValueError, match='float16 or torch.bfloat16'): gain_learner().precision_report(torch.float32)
+
+def test_a_stateful_rnn_is_judged_as_the_fit_runs_it():
+    """AWD-LSTM: its hidden state carries over between forwards, and its `WeightDropout` sets the LSTM's weight in its own
+    forward; each rerun starts from the state its FP32 forward started from, and the LSTM alone is judged inside the
+    `WeightDropout` that runs it. Its batches also go through fastai's `RNNCallback` (`after_pred`), as in a fit."""
+    from test_applications import make_awd_lm
+    set_seed(0)
+    learn = quiet(make_awd_lm())
+    hidden = learn.model[0].hidden
+    rep = learn.precision_report(torch.bfloat16)
+    assert set(rep.verdict) == {'fine'}, rep[rep.verdict != 'fine'][['module', 'reason']]
+    assert 'only inside `0.rnns.0`' in rep.set_index('module').reason['0.rnns.0.module']
+    assert learn.model[0].hidden is hidden
