@@ -122,10 +122,11 @@ def _count(self:PrecisionProbe, name:str, kind:str, xs:list) -> None:
 
 @patch
 def _flush(self:PrecisionProbe) -> None:
-    "Add the batch's queue to the statistics: one `histc` and two `scatter_reduce` for all modules"
+    "Add the batch's queue to the statistics: one `index_add_` and two `scatter_reduce_` for all modules"
     es,tops,slots,errs,norms,mods = self._pending
     if es:
-        self.hist += torch.histc(torch.cat(es).float(), bins=len(self.hist), min=-0.5, max=len(self.hist) - 0.5).double()
+        bins = torch.cat(es).long() # (not `bincount`, which reads its largest input on the host to size its output)
+        self.hist.index_add_(0, bins, torch.ones(len(bins), dtype=self.hist.dtype, device=self.device))
         idx = torch.tensor(slots, device=self.device)
         self.largest.scatter_reduce_(0, idx, torch.stack(tops).view(torch.float32), 'amax')
     if errs:
