@@ -38,7 +38,7 @@ def measured_modules(
     model:nn.Module, # The FP32 model
     dtype:torch.dtype=torch.float16, # The 16-bit type
     keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
-) -> dict: # name -> whether the module owns cast parameters (and is rerun in 16 bits), in `named_modules` order
+) -> dict: # name -> whether the module owns cast parameters (else it holds such modules), in `named_modules` order
     "The modules the doctor measures: those that own cast parameters, and the modules above them, the model aside"
     s = cast_summary(model, dtype, keep)
     owners = {_owner(model, n) for n in s.module[s.forward != 'float32']}
@@ -249,9 +249,9 @@ def _grad_verdict(self:PrecisionProbe, r:dict) -> tuple: # (verdict, reason, '')
     t = str(self.dtype).split('.')[1]
     if r['grad_underflow'] > underflow_max:
         return ('needs loss scaling',f"{r['grad_underflow']:.0%} of its nonzero output gradients fall below {t}'s smallest normal at "
-                f"loss scale {self.scale:g}: {self._scale_advice()}",'')
+                f"loss scale {_scale_name(self.scale)}: {self._scale_advice()}",'')
     if r['grad_headroom'] < 0:
-        return 'needs loss scaling',f"its output gradients overflow at loss scale {self.scale:g}: {self._scale_advice()}",''
+        return 'needs loss scaling',f"its output gradients overflow at loss scale {_scale_name(self.scale)}: {self._scale_advice()}",''
     return 'fine','',''
 
 @patch
@@ -397,7 +397,7 @@ def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:b
     return res
 
 # %% ../nbs/07_doctor.ipynb #a3cf5959
-def _scale_name(s:float) -> str: return f"2**{int(math.log2(s))}" if s > 0 and math.log2(s).is_integer() else f"{s:g}"
+def _scale_name(s:float) -> str: return f"2**{int(math.log2(s))}" if s > 1 and math.log2(s).is_integer() else f"{s:g}"
 
 def plot_headroom(
     report:'pd.DataFrame', # What `Learner.precision_report` returned
