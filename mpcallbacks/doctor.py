@@ -200,6 +200,8 @@ def measure(self:PrecisionProbe,
     finally: self.outs,self._pending = [],([], [], [], [], [], [])
 
 # %% ../nbs/07_doctor.ipynb #7c74fb50
+def _scale_name(s:float) -> str: return f"2**{int(math.log2(s))}" if s > 1 and math.log2(s).is_integer() else f"{s:g}"
+
 def _num(x:float) -> str: return f"{x:,.0f}" if 1e3 <= x < 1e7 else f"{x:.3g}" # (65,535 and 65,504 differ to the eye)
 
 def _bits(big:float, x:float) -> float: return math.inf if x == 0 else -math.inf if not math.isfinite(x) else math.log2(big / x)
@@ -397,8 +399,6 @@ def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:b
     return res
 
 # %% ../nbs/07_doctor.ipynb #a3cf5959
-def _scale_name(s:float) -> str: return f"2**{int(math.log2(s))}" if s > 1 and math.log2(s).is_integer() else f"{s:g}"
-
 def plot_headroom(
     report:'pd.DataFrame', # What `Learner.precision_report` returned
     ax=None, # Matplotlib axes to draw on; a new figure if None
