@@ -27,17 +27,19 @@ class MasterMixedPrecision(Callback):
     def __init__(self,
         dtype:torch.dtype|str=torch.float16, # `torch.float16` or `torch.bfloat16`
         loss_scale:str|float|None='auto', # 'dynamic', a positive number (static) or None; 'auto': dynamic for float16, None for bfloat16
-        keep_fp32:tuple=(), # More module types or name patterns to keep in FP32 (normalization layers always are)
+        keep_fp32:tuple|str=(), # More module types or name patterns to keep in FP32 (normalization layers always are); 'auto': also what the precision doctor finds 16 bits would break
         mixed_inference:bool=False, # `get_preds`/`validate`/`predict` outside a fit in 16 bits too; False: in FP32, as the exported learner
         **kwargs
     ):
         self.dtype = as_16bit_dtype(dtype)
         self.scaler = LossScaler.from_loss_scale(self.dtype, loss_scale, **kwargs)
         bad = [k for k in tuplify(keep_fp32) if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)))]
-        if bad: raise TypeError(f"keep_fp32 takes module types (subclasses of nn.Module, e.g. nn.LayerNorm) and name patterns "
-                                f"(e.g. '0.head*'), got {bad}")
+        if bad: raise TypeError(f"keep_fp32 takes module types (subclasses of nn.Module, e.g. nn.LayerNorm), name patterns "
+                                f"(e.g. '0.head*') and 'auto' (measure the model at the first fit), got {bad}")
         if not isinstance(mixed_inference, bool): raise TypeError(f"mixed_inference must be True or False, got {mixed_inference!r}")
-        self.keep,self.mixed_inference = always_fp32 + tuple(tuplify(keep_fp32)),mixed_inference
+        self.auto = 'auto' in tuplify(keep_fp32) # Whether the first training fit measures the model and keeps more in FP32
+        self.keep,self.mixed_inference = always_fp32 + tuple(k for k in tuplify(keep_fp32) if k != 'auto'),mixed_inference
+        self.auto_kept:tuple|None = None # What 'auto' kept (`KeptFor` names), once measured
         self.fit_state:MixedFit|None = None # Built at `before_fit`, dropped when the fit ends
         self.fitting = 0 # How many `Learner.fit` calls of the learner are running (what `Learner.fit` counts, if mpcallbacks wraps it)
         self.stopped_by:Exception|None = None # What cancelled the last fit, raised by `Learner.fit` once every `after_fit` ran

@@ -12,7 +12,7 @@ import torch
 from torch import nn, Tensor
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.module import register_module_forward_pre_hook, register_module_forward_hook
-import copy, re, sys, warnings
+import copy, glob, re, sys, warnings
 from torch.nn.utils.rnn import PackedSequence
 from torch.nn.utils import parametrizations
 from torch.nn.utils.parametrize import ParametrizationList
@@ -21,7 +21,8 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['always_fp32', 'norms_taking_16bit_input', 'keeps_fp32', 'as_16bit_dtype', 'native_16bit_dtypes', 'warn_if_slow',
-           'check_castable', 'unmatched_names', 'cast_summary', 'cast_floats', 'CastRole', 'ModelCast', 'cast_model']
+           'check_castable', 'unmatched_names', 'KeptFor', 'cast_summary', 'cast_floats', 'CastRole', 'ModelCast',
+           'cast_model']
 
 # %% ../nbs/00_cast.ipynb #a02f7f2c
 _SpectralNorm = getattr(parametrizations, '_SpectralNorm', None) # the parametrization (torch's private name)
@@ -177,9 +178,24 @@ def unmatched_names(
     names = [n for n,_ in model.named_modules()]
     return [k for k in keep if isinstance(k, str) and not any(fnmatchcase(n, k) for n in names)]
 
+# %% ../nbs/00_cast.ipynb #21f9710b
+class KeptFor(str):
+    "An exact module name for `keep` that carries why the module stays in FP32 (`to_mixed(keep_fp32='auto')` adds them)"
+    def __new__(cls,
+        name:str, # The module's name in `model.named_modules()`
+        why:str, # A few words: 'overflow', 'sensitivity', ...
+    ):
+        res = super().__new__(cls, glob.escape(name)) # a name pattern that matches only `name`
+        res.name,res.why = name,why
+        return res
+    def __getnewargs__(self): return (self.name, self.why) # (copies and pickles rebuild it from both)
+    def __repr__(self): return f"KeptFor({self.name!r}, {self.why!r})"
+
 # %% ../nbs/00_cast.ipynb #cfed8e40
 def _why_kept(name:str, module:nn.Module, keep:tuple) -> str:
     if keeps_fp32(name, module, always_fp32): return 'normalization'
+    auto = [k.why for k in keep if isinstance(k, KeptFor) and fnmatchcase(name, k)]
+    if auto: return f"auto: {auto[0]}"
     by = [repr(k) for k in keep if isinstance(k, str) and fnmatchcase(name, k)] + [k.__name__ for k in keep if isinstance(k, type) and isinstance(module, k)]
     return f"keep_fp32 {by[0]}" if by else 'keep_fp32'
 

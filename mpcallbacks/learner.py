@@ -12,7 +12,7 @@ from functools import wraps
 from fastai.basics import * # and no more of fastai: its `callback.progress` would add a progress bar to every learner
 from .cast import check_castable, unmatched_names, cast_summary
 from .callback import MasterMixedPrecision, check_no_fastai_fp16
-from . import checkpoint
+from . import checkpoint, doctor
 
 # %% auto #0
 __all__ = []
@@ -109,6 +109,7 @@ def _mixed_cbs(learn, cbs=None) -> list:
 def _fit(self, *args, **kwargs):
     mine = _mixed_cbs(self, _fit_signature.bind(self, *args, **kwargs).arguments.get('cbs'))
     if not mine: return _fastai_fit(self, *args, **kwargs)
+    for cb in mine: doctor.auto_fp32(self, cb) # `keep_fp32='auto'`: measured before the first fit casts
     with ExitStack() as stack:
         for cb in mine: stack.enter_context(cb.running_fit())
         res = _fastai_fit(self, *args, **kwargs)

@@ -69,7 +69,7 @@ def test_fastais_to_fp32_removes_ours_too(fastai_first):
     assert out.stdout.strip() == 'ok', out.stderr
 
 def test_importing_the_callback_changes_nothing_of_fastai():
-    "Only `mpcallbacks.checkpoint` and `mpcallbacks.learner` change fastai's `Learner`: the callback, the cast and the scaler leave it as it is"
+    "Only `mpcallbacks.checkpoint`, `mpcallbacks.doctor` and `mpcallbacks.learner` change fastai's `Learner`: the callback, the cast and the scaler leave it as it is"
     code = ("from fastai.basics import Learner\nbefore = dict(vars(Learner))\n"
             "import mpcallbacks.callback, mpcallbacks.cast, mpcallbacks.scaler, mpcallbacks.master, mpcallbacks.mixed_fit, mpcallbacks.distributed\n"
             "assert dict(vars(Learner)) == before, set(vars(Learner)) ^ set(before)\n"
@@ -78,4 +78,4 @@ def test_importing_the_callback_changes_nothing_of_fastai():
     out = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     # added methods, and the one replaced fastai method: `fit`
-    assert out.stdout.strip() == str(['export_atomic', 'fit', 'load_checked', 'mixed_summary', 'save_atomic', 'to_mixed', 'to_unmixed'])
+    assert out.stdout.strip() == str(['export_atomic', 'fit', 'load_checked', 'mixed_summary', 'precision_report', 'save_atomic', 'to_mixed', 'to_unmixed'])
