@@ -382,6 +382,8 @@ def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:b
     dl,model = learn.dls.train,learn.model
     n = min(n_batches, len(dl)) if hasattr(dl, '__len__') else n_batches
     n_inp = getattr(learn.dls, 'n_inp', 1)
+    dev = getattr(learn.dls, 'device', None)
+    if dev is not None: model.to(dev) # where the batches come, as each fit and `get_preds` put it (fastai's `before_fit`)
     def loss_of(pred): # as a fit computes it: the callbacks' `after_pred` first (an RNN's takes the output the loss wants)
         learn.pred = pred
         learn('after_pred')
