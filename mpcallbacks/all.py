@@ -6,3 +6,4 @@ from .mixed_fit import *
 from .callback import *
 from .checkpoint import *
 from .learner import *
+from .sharded import *
