@@ -107,6 +107,18 @@ def checkpoint(rank, world, out):
     return dict(saved=saved, a=a, loaded=loaded, b=b, path=str(here),
                 opt_is_sharded=all(type(p).__name__ == 'DTensor' for p in dw.opt_params(learn)))
 
+def storm_float16(rank, world, out):
+    "float16 (its scale matters): from step 1 on, an inf in rank 1's own gradient shard only; the third skip in a row stops the fit"
+    learn = learner(rank, world, bs=8, n_train=64*world, cbs=[InfInLocalShard(at=range(1, 100))], dtype=torch.float16,
+                    keep_fp32=nn.LayerNorm, init_scale=4., min_scale=1., max_consecutive_skips=3).to_sharded(distribute_data=False)
+    try:
+        learn.fit(1, 1e-2)
+        err = None
+    except Exception as e: err = type(e).__name__
+    ps = list(learn.model.parameters())
+    return dict(error=err, history=list(learn.master_mixed_precision.scaler.history), kinds=sorted({type(p).__name__ for p in ps}),
+                dtypes=sorted({str(p.dtype) for p in ps}), masters=gathered(learn))
+
 class RaiseAt(Callback):
     "On rank `rank`, raise after the loss of training batch `at`: between the forward and the backward"
     order = 60
@@ -131,7 +143,7 @@ def exception_on_one_rank(rank, world, out):
                 local_dtypes=sorted({str(local_tensor(p).dtype) for p in ps}), are_masters=all(id(p) in opt for p in ps),
                 fit_state=learn.master_mixed_precision.fit_state is None)
 
-scenarios = {f.__name__: f for f in (same_data, split_data, inf_on_one_rank, checkpoint, exception_on_one_rank)}
+scenarios = {f.__name__: f for f in (same_data, split_data, inf_on_one_rank, storm_float16, checkpoint, exception_on_one_rank)}
 
 def main(out, names):
     torch.set_num_threads(1)

@@ -76,6 +76,14 @@ def test_inf_on_one_rank_is_skipped_by_every_rank(ranks):
         assert r['history'] == expected and r['skipped'] == 2
         assert r['all_reduce'] == [1]*8 # one all-reduce of the verdict per step, none more
 
+def test_a_storm_of_skips_on_one_ranks_shard_stops_every_rank_in_float16(ranks):
+    rs = ranks('storm_float16') # an inf in rank 1's own shard from step 1 on; 3 skips in a row stop the fit
+    for r in rs:
+        assert r['error'] == 'NonFiniteGradients'
+        assert r['history'] == [(4., F), (4., T), (2., T), (1., T)]
+        assert r['kinds'] == ['DTensor'] and r['dtypes'] == ['torch.float32']
+    assert all(torch.isfinite(t).all() for t in rs[0]['masters']) # the last good step's masters
+
 # ---- checkpoints and export
 
 def test_load_resumes_the_same_trajectory(ranks):
