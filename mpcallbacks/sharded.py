@@ -85,9 +85,8 @@ def gather_state(
     if _is_dtensor(x):
         full = x.full_tensor()
         return full.detach().cpu() if not rank_distrib() else None
-    if isinstance(x, dict): return type(x)((k, gather_state(v)) for k,v in x.items()) if type(x) is not L else x
-    if isinstance(x, (list, tuple)) and not isinstance(x, L): return type(x)(gather_state(v) for v in x)
-    if isinstance(x, L): return L(gather_state(v) for v in x)
+    if isinstance(x, dict): return type(x)((k, gather_state(v)) for k,v in x.items())
+    if isinstance(x, (list, tuple, L)): return type(x)(gather_state(v) for v in x) # (fastai's hyper-parameters are an `L`)
     return x
 
 # %% ../nbs/08_sharded.ipynb #9f6694a8
