@@ -74,6 +74,13 @@ def same_data(rank, world, out):
                 dtypes=sorted({str(p.dtype) for p in learn.model.parameters()}),
                 kinds=sorted({type(p).__name__ for p in learn.model.parameters()}))
 
+def grad_accumulation(rank, world, out):
+    "fastai's `GradientAccumulation` (two batches a step) on the same batches everywhere: each backward adds to the sharded gradients"
+    from fastai.callback.training import GradientAccumulation
+    learn = learner(rank, world, bs=16, split=False, cbs=[GradientAccumulation(n_acc=32)], **mixed).to_sharded(distribute_data=False)
+    learn.fit(2, 1e-2)
+    return dict(masters=gathered(learn), history=list(learn.master_mixed_precision.scaler.history))
+
 def split_data(rank, world, out):
     "Each rank its share of each batch (bs 8 per rank, plain SGD): compared with one process and bs 8*world"
     learn = learner(rank, world, bs=8, opt_func=SGD, **mixed).to_sharded(distribute_data=False)
@@ -143,7 +150,7 @@ def exception_on_one_rank(rank, world, out):
                 local_dtypes=sorted({str(local_tensor(p).dtype) for p in ps}), are_masters=all(id(p) in opt for p in ps),
                 fit_state=learn.master_mixed_precision.fit_state is None)
 
-scenarios = {f.__name__: f for f in (same_data, split_data, inf_on_one_rank, storm_float16, checkpoint, exception_on_one_rank)}
+scenarios = {f.__name__: f for f in (same_data, grad_accumulation, split_data, inf_on_one_rank, storm_float16, checkpoint, exception_on_one_rank)}
 
 def main(out, names):
     torch.set_num_threads(1)

@@ -58,6 +58,14 @@ def test_sharded_fit_on_the_same_batches_is_bit_identical_to_one_process(ranks):
         assert r['kinds'] == ['DTensor'] and r['dtypes'] == ['torch.float32']
         assert r['all_reduce'] == [1]*8
 
+def test_gradient_accumulation_over_sharded_gradients_is_bit_identical_to_one_process(ranks):
+    from fastai.callback.training import GradientAccumulation
+    rs = ranks('grad_accumulation') # two batches a step: the second backward adds to the first's reduced, unscaled shards
+    one = one_process(bs=16, split=False, cbs=[GradientAccumulation(n_acc=32)], **sw.mixed)
+    with one_thread(): one.fit(2, 1e-2)
+    assert len(rs[0]['history']) == 4 and rs[0]['history'] == list(one.master_mixed_precision.scaler.history)
+    assert same(rs[0]['masters'], [p.detach() for p in one.model.parameters()])
+
 def test_sharded_fit_on_split_batches_matches_one_process_with_the_whole_batch(ranks):
     rs = ranks('split_data') # bs 8 per rank, SGD: one process with bs 8*world
     one = one_process(bs=8*ranks.world, opt_func=sw.SGD, **sw.mixed)
