@@ -8,6 +8,7 @@ import torch, fastai
 from .bookkeeping import run_bookkeeping
 from .step import run_whole_step, run_bookkeeping_bound_fit
 from .memory import run_memory
+from .sharded import run_sharded_memory, target as sharded_target
 from .syncs import run_syncs
 from .cuda_throughput import run_cuda_throughput
 from .norms import run_norms
@@ -103,6 +104,22 @@ def memory_targets(rows:list) -> list:
     met = lambda rs, k, target: all(round(r[k], 2) <= target for r in rs)
     return [('to_mixed: <= 12.0 bytes/param between steps (no 16-bit cast outlives its step)', fmt(default, 'between'), met(default, 'between', 12.0)),
             ('to_mixed: <= 18.5 bytes/param at the peak of a step', fmt(default, 'peak_step'), met(default, 'peak_step', 18.5))]
+
+def sharded_section(rows:list) -> str:
+    "Per-rank bytes per parameter, sharded against DDP, at 1, 2 and 4 ranks"
+    cols = ['ranks', 'mode', 'parameters are', 'between steps', 'peak of the step', 'of which DDP buckets', 'target between steps (12/ranks + 1)', 'met']
+    body = [[r['ranks'], r['mode'], r['param_kinds'], _bpp(r['between']), _bpp(r['peak_step']), _bpp(r['buckets']),
+             _bpp(sharded_target(r['ranks'])) if r['mode'] == 'sharded' else '-',
+             ('yes' if round(r['between'], 2) <= sharded_target(r['ranks']) else '**no**') if r['mode'] == 'sharded' else '-'] for r in rows]
+    n = rows[0]['params']
+    return ('### 3b. Sharded (FSDP2) against data-parallel (DDP): per-rank bytes per parameter\n\n'
+            f'`to_mixed(torch.bfloat16)` with fastai\'s Adam on a {n/1e6:.2f}M-parameter Linear+LayerNorm stack (16 blocks of 256), '
+            'sharded with `to_sharded()` or wrapped in `DistributedDataParallel`, on 1, 2 and 4 gloo processes of this CPU. '
+            'Bytes of the storages of every live tensor and gradient (a DTensor: its local shard), the data set left out, plus '
+            "DDP's C++ gradient buckets; divided by the model's parameter count; the largest rank. Between steps: at "
+            '`after_batch`. Peak of the step: the larger of the end of the backward and the end of the optimizer step (the '
+            'gradients not yet freed). Transient buffers (activations, gathered 16-bit parameters, reduce buffers) are not '
+            'counted.\n\n' + md_table(cols, body))
 
 def syncs_section(rows:list) -> str:
     cols = ['model', 'tensors', 'config', 'train steps', 'syncs per fit', 'extra vs FP32', 'extra per step', '<= steps + 2']
@@ -221,6 +238,7 @@ def main():
     emit(whole_step_section(step, bound, device))
     mem = run_memory(device)
     emit(memory_section(mem))
+    emit(sharded_section(run_sharded_memory()))
     syncs = run_syncs(device)
     emit(syncs_section(syncs))
     cuda = run_cuda_throughput(device) if device.type == 'cuda' else None

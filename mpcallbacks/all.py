@@ -7,3 +7,4 @@ from .callback import *
 from .checkpoint import *
 from .learner import *
 from .doctor import *
+from .sharded import *

@@ -101,7 +101,7 @@ def before_fit(self:MasterMixedPrecision):
     self.stopped_by = None
     cast = bool(self.fitting) or self.mixed_inference
     self.fit_state = MixedFit(self.learn, self.dtype, self.keep, cast=cast)
-    if cast: warn_if_slow(self.dtype, self.fit_state.cast.device)
+    if cast: warn_if_slow(self.dtype, self.fit_state.device)
 
 # %% ../nbs/03_callback.ipynb #51d62dc4
 @patch
@@ -182,7 +182,7 @@ def before_step(self:MasterMixedPrecision):
     "Read the step's inf/NaN verdict: on inf/NaN, drop the gradients and skip the step"
     fit = self.fit_state
     if fit.grads.phase is not GradPhase.UNSCALED: return
-    found_inf = fit.ranks.agree(fit.grads.found_inf, fit.cast.device)
+    found_inf = fit.ranks.agree(fit.grads.found_inf, fit.device)
     if found_inf is None or not found_inf.item():
         fit.grads.stepping()
         return

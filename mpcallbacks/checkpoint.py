@@ -14,6 +14,7 @@ import copy # (after fastai's star import, which brings `copy.copy` in as `copy`
 import numpy as np
 import errno, shutil
 from .scaler import LossScaler
+from .distributed import fsdp_sharded
 
 # %% auto #0
 __all__ = ['scaler_key', 'OptimizerWithScaler', 'ScalerOptFunc', 'carry_scaler', 'drop_scaler']
@@ -118,6 +119,7 @@ def save_atomic(self:Learner,
 ) -> Path: # Where the checkpoint is
     "`learn.save`, replacing the old file only once the new one is whole"
     path = join_path_file(file, self.path/self.model_dir, ext='.pth')
+    if fsdp_sharded(self.model): return self.save(file, **kwargs) # every rank gathers; rank 0 writes, as here (`to_sharded`)
     if rank_distrib(): return path # (fastai saves on rank 0 only)
     with _replacing_file(path) as tmp:
         with open(tmp, 'wb') as f: self.save(f, **kwargs)
@@ -131,6 +133,7 @@ def export_atomic(self:Learner,
 ) -> Path: # Where the export is
     "`learn.export`, replacing the old file only once the new one is whole"
     path = Path(self.path)/fname
+    if fsdp_sharded(self.model): return self.export(fname, **kwargs) # every rank gathers; rank 0 writes, as here (`to_sharded`)
     if rank_distrib(): return path
     with _replacing_file(path) as tmp: self.export(Path(fname).with_name(tmp.name), **kwargs) # fastai writes to `self.path/fname`
     return path

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['world_size', 'ddp_wrapped', 'RankAgreement']
+__all__ = ['world_size', 'ddp_wrapped', 'fsdp_sharded', 'RankAgreement']
 
 # %% ../nbs/06_data_parallel.ipynb #b2f260ca
 def world_size() -> int:
@@ -23,6 +23,13 @@ def world_size() -> int:
 def ddp_wrapped(model) -> bool:
     "Whether `model` is wrapped by `DistributedDataParallel`"
     return isinstance(model, DistributedDataParallel)
+
+# %% ../nbs/06_data_parallel.ipynb #93e1ac06
+def fsdp_sharded(model) -> bool:
+    "Whether `fully_shard` (torch's FSDP2) was applied to `model` or to a module inside it"
+    try: from torch.distributed.fsdp import FSDPModule # (public from torch 2.6)
+    except ImportError: return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 # %% ../nbs/06_data_parallel.ipynb #23e61c9a
 class RankAgreement:

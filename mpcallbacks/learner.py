@@ -102,8 +102,8 @@ _fastai_fit = getattr(Learner.fit, '__wrapped__', Learner.fit) # fastai's own, a
 _fit_signature = inspect.signature(_fastai_fit) # (so that the wrapper passes on whatever arguments fastai's `fit` takes)
 
 def _mixed_cbs(learn, cbs=None) -> list:
-    "Our callbacks on `learn`, and those in `cbs` (passed to one `fit`)"
-    return list(dict.fromkeys([*learn._grab_cbs(MasterMixedPrecision), *(c for c in L(cbs) if isinstance(c, MasterMixedPrecision))]))
+    "Our callbacks on `learn`, and those in `cbs` (passed to one `fit`): those with a `running_fit` (`MasterMixedPrecision`, `ShardedTrainer`)"
+    return list(dict.fromkeys(c for c in [*learn.cbs, *L(cbs)] if callable(getattr(type(c), 'running_fit', None))))
 
 @wraps(_fastai_fit)
 def _fit(self, *args, **kwargs):
@@ -114,7 +114,7 @@ def _fit(self, *args, **kwargs):
         for cb in mine: stack.enter_context(cb.running_fit())
         res = _fastai_fit(self, *args, **kwargs)
     for cb in mine:
-        if cb.stopped_by is not None:
+        if getattr(cb, 'stopped_by', None) is not None:
             err,cb.stopped_by = cb.stopped_by,None
             raise err
     return res

@@ -13,7 +13,7 @@ from torch import Tensor
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['GradPhase', 'GradPhaseError', 'MasterParams']
+__all__ = ['GradPhase', 'GradPhaseError', 'local_tensor', 'MasterParams']
 
 # %% ../nbs/02_master.ipynb #38b651bc
 class GradPhase(Enum):
@@ -26,6 +26,11 @@ class GradPhase(Enum):
 # %% ../nbs/02_master.ipynb #050bd339
 class GradPhaseError(RuntimeError):
     "A step of the gradient lifecycle called out of turn"
+
+# %% ../nbs/02_master.ipynb #49cb302e
+def local_tensor(t:Tensor) -> Tensor: # A plain tensor sharing `t`'s storage
+    "This rank's part of `t`: the local shard of a sharded `DTensor` (FSDP2's parameters and gradients), else `t` itself"
+    return t.to_local() if hasattr(t, 'to_local') and hasattr(t, 'placements') else t
 
 # %% ../nbs/02_master.ipynb #d92e4894
 class MasterParams:
@@ -44,7 +49,7 @@ class MasterParams:
         "The gradients the optimizer will step on"
         for p in self.params: # a sparse gradient is coalesced, so that its values can be scaled in place
             if p.grad is not None and p.grad.is_sparse and not p.grad.is_coalesced(): p.grad = p.grad.coalesce()
-        return [p.grad for p in self.params if p.grad is not None]
+        return [local_tensor(p.grad) for p in self.params if p.grad is not None]
 
     def _free_grads(self):
         for p in self.params: p.grad = None

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from fastai.basics import Learner, patch
 from .cast import cast_model
-from .master import MasterParams, GradPhase
-from .distributed import RankAgreement
+from .master import MasterParams, GradPhase, local_tensor
+from .distributed import RankAgreement, fsdp_sharded
 
 # %% auto #0
 __all__ = ['MixedFit']
@@ -25,7 +25,8 @@ class MixedFit:
         cast:bool=True, # Cast from the start (a fit, 16-bit inference); else only once training starts
     ):
         self.learn,self.dtype,self.keep = learn,dtype,keep
-        self.cast = cast_model(learn.model, dtype, keep) if cast else None # The model's cast for the forward
+        self.sharded = fsdp_sharded(learn.model) # FSDP2's `MixedPrecisionPolicy` casts a sharded model's forward: we never do
+        self.cast = cast_model(learn.model, dtype, keep) if cast and not self.sharded else None # The model's cast for the forward
         try: self.grads,self.ranks = MasterParams([]),RankAgreement()
         except BaseException: # nothing of a fit that did not start stays behind (an interrupt, an error)
             if self.cast is not None: self.cast.restore()
@@ -39,16 +40,22 @@ class MixedFit:
 @patch
 def start_training(self:MixedFit) -> None:
     "Cast the model if nothing did yet, and follow the optimizer's parameters (a new optimizer, `freeze`/`unfreeze`)"
-    if self.cast is None: self.cast = cast_model(self.learn.model, self.dtype, self.keep)
+    if self.cast is None and not self.sharded: self.cast = cast_model(self.learn.model, self.dtype, self.keep)
     opt = getattr(self.learn, 'opt', None)
     self.grads.params = list({id(p):p for p in [*self.learn.model.parameters(),
                                                  *(p for pg in (opt.param_lists if opt else []) for p in pg)]}.values())
 
+# %% ../nbs/03a_mixed_fit.ipynb #ca28cf04
+@patch(as_prop=True)
+def device(self:MixedFit) -> torch.device:
+    "Where the model's (first) parameter lives: the device of the step's inf/NaN flag"
+    return self.cast.device if self.cast is not None else next(self.learn.model.parameters()).device
+
 # %% ../nbs/03a_mixed_fit.ipynb #8dfa3979
 @patch
 def begin_batch(self:MixedFit) -> None:
-    "A training batch: its forwards cast"
-    self.cast.begin()
+    "A training batch: its forwards cast (by FSDP2, for a sharded model)"
+    if self.cast is not None: self.cast.begin()
 
 # %% ../nbs/03a_mixed_fit.ipynb #00226820
 @patch
@@ -77,7 +84,7 @@ def end_validation(self:MixedFit) -> None:
 @patch
 def weights_note(self:MixedFit) -> str: # A sentence for an error message
     "Whether the FP32 weights are the last good ones, or themselves non-finite (one host sync, at the end of a fit)"
-    ps = list(self.learn.model.parameters())
+    ps = [local_tensor(p) for p in self.learn.model.parameters()] # (a sharded model: this rank's shards)
     if torch.stack([torch.isfinite(p).all().to(ps[0].device) for p in ps]).all().item():
         return ("The model holds the last good weights (BatchNorm running statistics, updated in the forward pass, may "
                 "have taken in the non-finite batches).")

@@ -250,18 +250,18 @@ def free_port():
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
 
-def launch(out, names, world=2):
-    "Run scenarios `names` in `world` processes, as torchrun would; kill the others as soon as one fails. Returns (ok, log)"
-    ok, log = _launch(out, names, world)
-    if not ok and 'address already in use' in log.lower(): ok, log = _launch(out, names, world) # the free port was taken
+def launch(out, names, world=2, script=__file__):
+    "Run scenarios `names` of `script` in `world` processes, as torchrun would; kill the others as soon as one fails. Returns (ok, log)"
+    ok, log = _launch(out, names, world, script)
+    if not ok and 'address already in use' in log.lower(): ok, log = _launch(out, names, world, script) # the free port was taken
     return ok, log
 
-def _launch(out, names, world):
+def _launch(out, names, world, script):
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore')
     logs = [open(out/f'log.rank{r}.txt', 'w') for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(out), *names], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+    procs = [subprocess.Popen([sys.executable, script, str(out), *names], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
     try: # no deadline of its own: a rank that fails ends the launch, and a hang is pytest-timeout's (pyproject.toml)
         while any(p.poll() is None for p in procs) and not any(p.poll() not in (None, 0) for p in procs): time.sleep(0.1)
