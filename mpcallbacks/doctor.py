@@ -9,12 +9,14 @@ from __future__ import annotations
 import math, random, re, warnings
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn, Tensor
 from torch.nn.utils.parametrize import ParametrizationList
 from fastai.basics import Learner, patch, L
 from .cast import always_fp32, as_16bit_dtype, cast_model, cast_floats, cast_summary, KeptFor
 from .scaler import LossScaler
 from .callback import MasterMixedPrecision
+from .distributed import world_size
 
 # %% auto #0
 __all__ = ['headroom_min', 'underflow_max', 'sensitivity_max', 'auto_batches', 'measured_modules', 'PrecisionProbe',
@@ -449,6 +451,16 @@ def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype) -> None:
     if len(scaling): msg.append(f"The gradients of {len(scaling)} cast module(s) need loss scaling: {scaling.reason.iloc[0]}.")
     if msg: warnings.warn(' '.join(msg), stacklevel=4)
 
+_whys = ('overflow', 'underflow', 'sensitivity', 'forward mixes dtypes', 'forward fails in 16 bits') # what `KeptFor` says
+
+def _agreed(learn:Learner, kept:tuple) -> tuple:
+    "What any rank keeps, kept on every rank: each measured its own batches, and all must cast the model alike"
+    if world_size() == 1: return kept
+    names,why = [n for n,_ in learn.model.named_modules()],{k.name:k.why for k in kept}
+    codes = torch.tensor([_whys.index(why[n]) + 1 if n in why else 0 for n in names], device=next(learn.model.parameters()).device)
+    dist.all_reduce(codes, op=dist.ReduceOp.MAX) # (one collective, once per fit that measures)
+    return tuple(KeptFor(n, why.get(n, _whys[c - 1])) for n,c in zip(names, codes.tolist()) if c)
+
 def auto_fp32(
     learn:Learner, # The learner about to fit
     cb:MasterMixedPrecision, # Its callback, made with `keep_fp32='auto'`
@@ -456,6 +468,6 @@ def auto_fp32(
     "Measure the model and keep in FP32 what its 16-bit type would break, once per callback; one warning says what"
     if not cb.auto or cb.auto_kept is not None: return
     rep = _report(learn, cb.dtype, cb.keep, cb.loss_scale, cb.scaler.dynamic, auto_batches)
-    cb.auto_kept = auto_keep(rep)
+    cb.auto_kept = _agreed(learn, auto_keep(rep))
     cb.keep = cb.keep + cb.auto_kept
     _say_kept(cb.auto_kept, rep, cb.dtype)

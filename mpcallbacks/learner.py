@@ -109,7 +109,8 @@ def _mixed_cbs(learn, cbs=None) -> list:
 def _fit(self, *args, **kwargs):
     mine = _mixed_cbs(self, _fit_signature.bind(self, *args, **kwargs).arguments.get('cbs'))
     if not mine: return _fastai_fit(self, *args, **kwargs)
-    for cb in mine: doctor.auto_fp32(self, cb) # `keep_fp32='auto'`: measured before the first fit casts
+    for cb in mine:
+        if isinstance(cb, MasterMixedPrecision): doctor.auto_fp32(self, cb) # `keep_fp32='auto'`: measured before the first fit casts
     with ExitStack() as stack:
         for cb in mine: stack.enter_context(cb.running_fit())
         res = _fastai_fit(self, *args, **kwargs)

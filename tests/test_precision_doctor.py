@@ -320,3 +320,29 @@ def test_a_stateful_rnn_is_judged_as_the_fit_runs_it():
     assert set(rep.verdict) == {'fine'}, rep[rep.verdict != 'fine'][['module', 'reason']]
     assert 'only inside `0.rnns.0`' in rep.set_index('module').reason['0.rnns.0.module']
     assert learn.model[0].hidden is hidden
+
+# ---- data-parallel ranks measure their own batches, and cast alike
+
+def _auto_on_rank(rank, port, out):
+    "One rank of two: 'auto' measured on this rank's own model and batches, then what it keeps written to `out`"
+    import os, torch.distributed as dist
+    from mpcallbacks import doctor
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    dist.init_process_group('gloo', rank=rank, world_size=2)
+    try:
+        learn = quiet(gain_learner())
+        if rank == 1: learn.model[1].gain = 1. # here the layer stays in float16's range: on its own, this rank keeps nothing
+        learn.to_mixed(torch.float16, keep_fp32='auto')
+        cb = learn.master_mixed_precision
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            doctor.auto_fp32(learn, cb)
+        torch.save([(k.name, k.why) for k in cb.auto_kept], f'{out}/rank{rank}.pt')
+    finally: dist.destroy_process_group()
+
+def test_auto_keeps_what_any_rank_flags_on_every_rank(tmp_path):
+    "Ranks that measured different batches keep the same modules (all must cast the model alike): what any rank flags"
+    from distributed_worker import free_port
+    torch.multiprocessing.spawn(_auto_on_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    kept = [torch.load(tmp_path/f'rank{r}.pt') for r in range(2)]
+    assert kept[0] == kept[1] == [('1', 'overflow')], kept
