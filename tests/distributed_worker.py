@@ -226,7 +226,8 @@ def batch_equivalence(rank, world, out):
 scenarios = {f.__name__: f for f in (sync_every_step, no_sync_step, grad_accumulation, grad_accumulation_no_sync,
                                      different_init, checkpoint, batch_equivalence)}
 
-def main(out, names):
+def run(out, names, scenarios, count_calls, file_name='{name}.rank{rank}.pt'):
+    "On this rank (torchrun's environment): each scenario of `names`, its result saved in `out`, then a barrier"
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)
     count_calls()
@@ -235,13 +236,15 @@ def main(out, names):
     try:
         for name in names:
             t = time.monotonic()
-            torch.save(scenarios[name](rank, world, out), out/f'{name}.rank{rank}.pt')
+            torch.save(scenarios[name](rank, world, out), out/file_name.format(name=name, rank=rank, world=world))
             dist.barrier()
             print(f'rank {rank}: {name} {time.monotonic()-t:.1f}s', flush=True)
     except BaseException:
         (out/f'error.rank{rank}.txt').write_text(traceback.format_exc())
         raise
     finally: dist.destroy_process_group()
+
+def main(out, names): run(out, names, scenarios, count_calls)
 
 # ---- the launcher
 

@@ -3,7 +3,7 @@
 Run as torchrun would start it (env RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
     torchrun --nproc_per_node 4 tests/sharded_worker.py OUT_DIR SCENARIO...
 `launch` does the same with plain subprocesses, as `distributed_worker.launch` does."""
-import copy, datetime, math, os, sys, time, traceback, warnings
+import copy, datetime, math, os, sys, warnings
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -152,22 +152,7 @@ def exception_on_one_rank(rank, world, out):
 
 scenarios = {f.__name__: f for f in (same_data, grad_accumulation, split_data, inf_on_one_rank, storm_float16, checkpoint, exception_on_one_rank)}
 
-def main(out, names):
-    torch.set_num_threads(1)
-    out.mkdir(parents=True, exist_ok=True)
-    count_calls()
-    rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
-    dist.init_process_group('gloo', rank=rank, world_size=world)
-    try:
-        for name in names:
-            t = time.monotonic()
-            torch.save(scenarios[name](rank, world, out), out/f'{name}.w{world}.rank{rank}.pt')
-            dist.barrier()
-            print(f'rank {rank}: {name} {time.monotonic()-t:.1f}s', flush=True)
-    except BaseException:
-        (out/f'error.rank{rank}.txt').write_text(traceback.format_exc())
-        raise
-    finally: dist.destroy_process_group()
+def main(out, names): dw.run(out, names, scenarios, count_calls, '{name}.w{world}.rank{rank}.pt')
 
 def launch(out, names, world):
     "Run scenarios `names` in `world` processes; returns (ok, log)"
