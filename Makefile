@@ -38,7 +38,7 @@ nbtest: $(STAMP)
 
 # One worker per core (pytest-xdist), each taking a whole test file at a time: the data-parallel tests share one launch
 # of their processes (a module fixture). (`--dist loadgroup` would split files further, but with pytest 9.2 it no longer
-# groups: pytest-xdist's issue 1386.)
+# groups: a known pytest-xdist bug, reported upstream.)
 PYTEST_ARGS := -q --durations=15 -n auto --dist loadfile tests
 
 pytest: $(STAMP)
