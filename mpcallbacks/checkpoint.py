@@ -17,7 +17,7 @@ from .scaler import LossScaler
 from .distributed import fsdp_sharded
 
 # %% auto #0
-__all__ = ['scaler_key', 'OptimizerWithScaler', 'ScalerOptFunc', 'carry_scaler', 'drop_scaler']
+__all__ = ['scaler_key', 'OptimizerWithScaler', 'ScalerOptFunc', 'carry_scaler', 'drop_scaler', 'replacing_file']
 
 # %% ../nbs/05a_checkpoint.ipynb #a35e9b91
 scaler_key = 'mpcallbacks.loss_scaler' # Where a checkpoint keeps the scaler's state, next to the optimizer's
@@ -93,7 +93,9 @@ def _disk_full(e:BaseException) -> bool:
     return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (isinstance(e, RuntimeError) and 'unexpected pos' in str(e))
 
 @contextmanager
-def _replacing_file(path:Path):
+def replacing_file(
+    path:Path, # The file to write: replaced whole once written, or left as it was
+): # A context manager giving the temporary file's path
     "A temporary file in `path`'s folder to write to; it becomes `path` only once written and flushed to the disk"
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,7 +123,7 @@ def save_atomic(self:Learner,
     path = join_path_file(file, self.path/self.model_dir, ext='.pth')
     if fsdp_sharded(self.model): return self.save(file, **kwargs) # every rank gathers; rank 0 writes, as here (`to_sharded`)
     if rank_distrib(): return path # (fastai saves on rank 0 only)
-    with _replacing_file(path) as tmp:
+    with replacing_file(path) as tmp:
         with open(tmp, 'wb') as f: self.save(f, **kwargs)
     return path
 
@@ -135,7 +137,7 @@ def export_atomic(self:Learner,
     path = Path(self.path)/fname
     if fsdp_sharded(self.model): return self.export(fname, **kwargs) # every rank gathers; rank 0 writes, as here (`to_sharded`)
     if rank_distrib(): return path
-    with _replacing_file(path) as tmp: self.export(Path(fname).with_name(tmp.name), **kwargs) # fastai writes to `self.path/fname`
+    with replacing_file(path) as tmp: self.export(Path(fname).with_name(tmp.name), **kwargs) # fastai writes to `self.path/fname`
     return path
 
 # %% ../nbs/05a_checkpoint.ipynb #37d271fd

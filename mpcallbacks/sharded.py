@@ -14,7 +14,7 @@ import copy # (after fastai's star import, which brings `copy.copy` in as `copy`
 from .cast import always_fp32, keeps_fp32, norms_taking_16bit_input
 from .callback import MasterMixedPrecision
 from .distributed import fsdp_sharded
-from .checkpoint import _replacing_file
+from .checkpoint import replacing_file
 
 # %% auto #0
 __all__ = ['default_units', 'fsdp_api', 'shard_model', 'gather_state', 'shard_like', 'ShardedTrainer', 'load_sharded_opt',
@@ -237,7 +237,7 @@ def sharded_save(self:Learner, file, with_opt:bool=True, **kwargs) -> Path: # Wh
     if not isinstance(file, (str, Path)):
         save_model(file, _StateOf(model_sd), _StateOf(opt_sd) if opt_sd is not None else None, with_opt=with_opt, **kwargs)
         return file
-    with _replacing_file(file) as tmp:
+    with replacing_file(file) as tmp:
         with open(tmp, 'wb') as f: save_model(f, _StateOf(model_sd), _StateOf(opt_sd) if opt_sd is not None else None, with_opt=with_opt, **kwargs)
     return file
 
