@@ -21,8 +21,8 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['always_fp32', 'norms_taking_16bit_input', 'keeps_fp32', 'as_16bit_dtype', 'native_16bit_dtypes', 'warn_if_slow',
-           'check_castable', 'unmatched_names', 'KeptFor', 'cast_summary', 'cast_floats', 'CastRole', 'ModelCast',
-           'cast_model']
+           'kept_tops', 'check_castable', 'unmatched_names', 'KeptFor', 'cast_summary', 'cast_floats', 'CastRole',
+           'kept_role', 'ModelCast', 'cast_model']
 
 # %% ../nbs/00_cast.ipynb #a02f7f2c
 _SpectralNorm = getattr(parametrizations, '_SpectralNorm', None) # the parametrization (torch's private name)
@@ -120,19 +120,22 @@ def _ancestors(model, name):
     parts = name.split('.') if name else []
     return [('.'.join(parts[:i]), model.get_submodule('.'.join(parts[:i]))) for i in range(len(parts)+1)]
 
-def _kept_tops(model, keep) -> list:
-    "The outermost modules that stay in FP32"
+def kept_tops(
+    model:nn.Module, # The model
+    keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
+) -> list: # The modules, in `model.modules()` order
+    "The outermost modules that stay in FP32 (everything inside them does too)"
     return [m for n,m in model.named_modules() if keeps_fp32(n, m, keep)
             and not any(keeps_fp32(a, am, keep) for a,am in _ancestors(model, n)[:-1])]
 
 def _cast_plan(model, keep) -> tuple:
     "The kept top modules, and `(qualified name, module, slot name, parameter)` of each parameter slot to cast"
-    kept_tops = _kept_tops(model, keep)
-    kept = {id(p) for m in kept_tops for p in m.parameters()}
-    kept_mods = {id(m_) for m in kept_tops for m_ in m.modules()}
+    tops = kept_tops(model, keep)
+    kept = {id(p) for m in tops for p in m.parameters()}
+    kept_mods = {id(m_) for m in tops for m_ in m.modules()}
     slots = [(_qual(name, n), m, n, p) for name,m in model.named_modules() if id(m) not in kept_mods
              for n,p in m._parameters.items() if p is not None and p.is_floating_point() and id(p) not in kept]
-    return kept_tops,slots
+    return tops,slots
 
 # %% ../nbs/00_cast.ipynb #4d456317
 def _checked_plan(model, keep) -> tuple:
@@ -244,14 +247,20 @@ class CastRole(Enum):
     FP32_INPUT = 'kept in FP32 by the user: FP32 inputs, FP32 output'
     FP32_NORM = 'a normalization whose kernel needs FP32 input: FP32 inputs, 16-bit output'
 
+# %% ../nbs/00_cast.ipynb #ffb1d13b
+def kept_role(
+    m:nn.Module, # An outermost module that stays in FP32 (one of `kept_tops`)
+) -> CastRole:
+    "What the FP32 module `m` does with the 16-bit activations around it, as a cast model runs it"
+    if isinstance(m, norms_taking_16bit_input): return CastRole.PLAIN # its kernel takes 16-bit input and returns it
+    # a normalization hands 16-bit output on; a module the user keeps by name or type, FP32 (a head predicts in FP32)
+    return CastRole.FP32_NORM if keeps_fp32('', m) else CastRole.FP32_INPUT
+
 def _roles(model, kept_tops, slots) -> dict:
     "`id(module) -> CastRole` for every module of `model`"
     res = {id(m):CastRole.PLAIN for m in model.modules()}
     res.update({id(m):CastRole.CAST_INPUT for _,m,_,_ in slots})
-    for m in kept_tops:
-        if isinstance(m, norms_taking_16bit_input): continue
-        # a normalization hands 16-bit output on; a module the user keeps by name or type, FP32 (a head predicts in FP32)
-        res[id(m)] = CastRole.FP32_NORM if keeps_fp32('', m) else CastRole.FP32_INPUT
+    res.update({id(m):kept_role(m) for m in kept_tops})
     return res
 
 # %% ../nbs/00_cast.ipynb #5525acbe

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from types import MethodType
 from fastai.basics import *
 import copy # (after fastai's star import, which brings `copy.copy` in as `copy`)
-from .cast import always_fp32, keeps_fp32, norms_taking_16bit_input
+from .cast import always_fp32, kept_tops, kept_role, CastRole
 from .callback import MasterMixedPrecision
 from .distributed import fsdp_sharded
 from .checkpoint import replacing_file
@@ -40,16 +40,15 @@ def fsdp_api():
     return fully_shard,MixedPrecisionPolicy,FSDPModule,distribute_tensor
 
 # %% ../nbs/08_sharded.ipynb #39973555
-def _kept_tops(model, keep) -> list:
-    "The outermost modules that hold parameters and stay in FP32"
-    kept = [(n,m) for n,m in model.named_modules() if n and keeps_fp32(n, m, keep) and any(True for _ in m.parameters())]
-    return [m for n,m in kept if not any(n.startswith(o + '.') for o,_ in kept)]
+def _kept_units(model, keep) -> list:
+    "The outermost modules that stay in FP32 and hold parameters, as the one-device cast keeps them (the root aside)"
+    return [m for m in kept_tops(model, keep) if m is not model and any(True for _ in m.parameters())]
 
 def _kept_policy(m, dtype, Policy):
     "The FP32 unit's policy: its inputs and output as `ModelCast` gives them (its role), so that sharded and one-device forwards agree"
-    f32 = torch.float32
-    if isinstance(m, norms_taking_16bit_input): return Policy(param_dtype=f32, reduce_dtype=f32, cast_forward_inputs=False) # kernel takes 16-bit input
-    if keeps_fp32('', m): return Policy(param_dtype=f32, reduce_dtype=f32, output_dtype=dtype) # a normalization: FP32 in, 16 bits out
+    f32,role = torch.float32,kept_role(m)
+    if role is CastRole.PLAIN: return Policy(param_dtype=f32, reduce_dtype=f32, cast_forward_inputs=False) # kernel takes 16-bit input
+    if role is CastRole.FP32_NORM: return Policy(param_dtype=f32, reduce_dtype=f32, output_dtype=dtype) # FP32 in, 16 bits out
     return Policy(param_dtype=f32, reduce_dtype=f32) # kept by the user: FP32 in, FP32 out (a head predicts in FP32)
 
 def shard_model(
@@ -65,7 +64,7 @@ def shard_model(
     if fsdp_sharded(model): raise ValueError("The model is sharded already: shard a model once.")
     f32 = torch.float32
     mp = Policy(param_dtype=dtype, reduce_dtype=f32) if dtype else Policy()
-    kept = _kept_tops(model, keep) if dtype else []
+    kept = _kept_units(model, keep) if dtype else []
     inside_kept = {id(m) for k in kept for m in k.modules()}
     units = default_units(model) if units is None else list(units)
     order = {id(m):i for i,m in enumerate(model.modules())}
