@@ -333,10 +333,7 @@ class _Untouched:
         self.dl_rng = self.dl.rng.getstate() if isinstance(getattr(self.dl, 'rng', None), random.Random) else None
         return self
     def __exit__(self, *exc):
-        for m,d in self.vars:
-            now = vars(m)
-            for k in set(now) - set(d): del now[k]
-            now.update(d) # the same objects as before: `_parameters`, `_buffers`, hook dicts, ...
+        _set_attrs(self.vars) # the same objects as before: `_parameters`, `_buffers`, hook dicts, ...
         with torch.no_grad():
             for m,k,b,v in self.bufs:
                 m._buffers[k] = b
@@ -344,9 +341,7 @@ class _Untouched:
         random.setstate(self.rng[0]); np.random.set_state(self.rng[1]); torch.set_rng_state(self.rng[2])
         if self.rng[3] is not None: torch.cuda.set_rng_state_all(self.rng[3])
         if self.dl_vars is not None:
-            now = vars(self.dl)
-            for k in set(now) - set(self.dl_vars): del now[k]
-            now.update(self.dl_vars)
+            _set_attrs([(self.dl, self.dl_vars)])
             if self.dl_rng is not None: self.dl.rng.setstate(self.dl_rng)
 
 # %% ../nbs/07_doctor.ipynb #d4632098
