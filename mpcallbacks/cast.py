@@ -17,7 +17,6 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.nn.utils import parametrizations
 from torch.nn.utils.parametrize import ParametrizationList
 import importlib
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['always_fp32', 'norms_taking_16bit_input', 'keeps_fp32', 'as_16bit_dtype', 'native_16bit_dtypes', 'warn_if_slow',
@@ -307,6 +306,67 @@ class ModelCast:
         "Forget the casts (the masters changed): the next forward casts again"
         self._casts = {}
 
+    def _cast_of(self, p:Tensor) -> Tensor:
+        graph = p.requires_grad and torch.is_grad_enabled()
+        e = self._casts.get(id(p))
+        if e is None or e[0] != p._version or (e[1] != graph and torch.is_grad_enabled()):
+            w = _SparseGradCast.apply(p, self.dtype) if id(p) in self.sparse else p.to(self.dtype)
+            e = self._casts[id(p)] = (p._version, graph, w)
+        return e[2]
+
+    def _put(self, tensors:list) -> None:
+        "Put `tensors` (one per master) into every slot"
+        for m,n,i in self.slots: m._parameters[n] = tensors[i]
+        for m in self.rnns: m._init_flat_weights() # RNNs cache a list of their weights, which `_parameters` leaves stale
+
+    def _pre(self, m:nn.Module, args:tuple):
+        if not self.active: return None
+        if self.depth == 0:
+            if id(m) in self.parametrizations: return None # a weight read outside a forward computes from the masters
+            self._put([self._cast_of(p) for p in self.masters])
+        self.depth += 1
+        role = self.roles[id(m)]
+        if role is CastRole.CAST_INPUT: return cast_floats(args, self.dtype)
+        if role is CastRole.FP32_INPUT or role is CastRole.FP32_NORM: return cast_floats(args, torch.float32)
+        return None
+
+    def _post(self, m:nn.Module, out):
+        if self.depth == 0: return None # a call that did not cast (casting was off)
+        self.depth -= 1
+        if self.depth == 0:
+            self._put(self.masters)
+            _note_dtype_clash(sys.exc_info()[1])
+        return cast_floats(out, self.dtype) if self.roles[id(m)] is CastRole.FP32_NORM else None
+
+    def _register(self) -> None:
+        taken = [m for m in self.modules if id(m) in _by_module]
+        if taken: raise ValueError(f"A module of this model ({type(taken[0]).__name__}) is already cast for another fit: one "
+                                   "module can train in one mixed-precision fit at a time.")
+        if not _global_hooks: _global_hooks.extend([register_module_forward_pre_hook(_pre_hook),
+                                                    register_module_forward_hook(_post_hook, always_call=True)])
+        _by_module.update({id(m):self for m in self.modules})
+
+    def _unregister(self) -> None:
+        for m in self.modules:
+            if _by_module.get(id(m)) is self: del _by_module[id(m)]
+        if not _by_module:
+            for h in _global_hooks: h.remove()
+            _global_hooks.clear()
+
+    def restore(self) -> None:
+        "Masters in every slot for good, no hook of ours, and no 16-bit tensor a forward left in the model's attributes"
+        self.active,self.depth = False,0
+        self._put(self.masters)
+        self._unregister()
+        self.drop_casts()
+        for m in self.modules:
+            for k,v in list(vars(m).items()):
+                if k == '_flat_weights': continue
+                if isinstance(v, dict): # a buffer the forward set from a 16-bit activation (`_buffers`), or a dict of the module's
+                    for kk,o in list(v.items()):
+                        if (id(m), k, kk) not in self.attrs16 and _has_16bit(o): v[kk] = cast_floats(o, torch.float32)
+                elif (id(m), k) not in self.attrs16 and _has_16bit(v): setattr(m, k, cast_floats(v, torch.float32))
+
 # %% ../nbs/00_cast.ipynb #810cd701
 class _SparseGradCast(torch.autograd.Function):
     "A cast whose backward hands a sparse gradient on as sparse (that of `Tensor.to` refuses to change the layout)"
@@ -314,43 +374,6 @@ class _SparseGradCast(torch.autograd.Function):
     def forward(ctx, x, dtype): return x.to(dtype)
     @staticmethod
     def backward(ctx, g): return g.to(torch.float32),None
-
-@patch
-def _cast_of(self:ModelCast, p:Tensor) -> Tensor:
-    graph = p.requires_grad and torch.is_grad_enabled()
-    e = self._casts.get(id(p))
-    if e is None or e[0] != p._version or (e[1] != graph and torch.is_grad_enabled()):
-        w = _SparseGradCast.apply(p, self.dtype) if id(p) in self.sparse else p.to(self.dtype)
-        e = self._casts[id(p)] = (p._version, graph, w)
-    return e[2]
-
-@patch
-def _put(self:ModelCast, tensors:list) -> None:
-    "Put `tensors` (one per master) into every slot"
-    for m,n,i in self.slots: m._parameters[n] = tensors[i]
-    for m in self.rnns: m._init_flat_weights() # RNNs cache a list of their weights, which `_parameters` leaves stale
-
-# %% ../nbs/00_cast.ipynb #176ad439
-@patch
-def _pre(self:ModelCast, m:nn.Module, args:tuple):
-    if not self.active: return None
-    if self.depth == 0:
-        if id(m) in self.parametrizations: return None # a weight read outside a forward computes from the masters
-        self._put([self._cast_of(p) for p in self.masters])
-    self.depth += 1
-    role = self.roles[id(m)]
-    if role is CastRole.CAST_INPUT: return cast_floats(args, self.dtype)
-    if role is CastRole.FP32_INPUT or role is CastRole.FP32_NORM: return cast_floats(args, torch.float32)
-    return None
-
-@patch
-def _post(self:ModelCast, m:nn.Module, out):
-    if self.depth == 0: return None # a call that did not cast (casting was off)
-    self.depth -= 1
-    if self.depth == 0:
-        self._put(self.masters)
-        _note_dtype_clash(sys.exc_info()[1])
-    return cast_floats(out, self.dtype) if self.roles[id(m)] is CastRole.FP32_NORM else None
 
 # %% ../nbs/00_cast.ipynb #a6a5dd39
 _16bit_names = re.compile(r'BFloat16|Half|bfloat16|float16')
@@ -379,39 +402,7 @@ def _post_hook(m, args, out):
     mc = _by_module.get(id(m))
     return None if mc is None else mc._post(m, out)
 
-@patch
-def _register(self:ModelCast) -> None:
-    taken = [m for m in self.modules if id(m) in _by_module]
-    if taken: raise ValueError(f"A module of this model ({type(taken[0]).__name__}) is already cast for another fit: one "
-                               "module can train in one mixed-precision fit at a time.")
-    if not _global_hooks: _global_hooks.extend([register_module_forward_pre_hook(_pre_hook),
-                                                register_module_forward_hook(_post_hook, always_call=True)])
-    _by_module.update({id(m):self for m in self.modules})
-
-@patch
-def _unregister(self:ModelCast) -> None:
-    for m in self.modules:
-        if _by_module.get(id(m)) is self: del _by_module[id(m)]
-    if not _by_module:
-        for h in _global_hooks: h.remove()
-        _global_hooks.clear()
-
 # %% ../nbs/00_cast.ipynb #9f5f4d2b
-@patch
-def restore(self:ModelCast) -> None:
-    "Masters in every slot for good, no hook of ours, and no 16-bit tensor a forward left in the model's attributes"
-    self.active,self.depth = False,0
-    self._put(self.masters)
-    self._unregister()
-    self.drop_casts()
-    for m in self.modules:
-        for k,v in list(vars(m).items()):
-            if k == '_flat_weights': continue
-            if isinstance(v, dict): # a buffer the forward set from a 16-bit activation (`_buffers`), or a dict of the module's
-                for kk,o in list(v.items()):
-                    if (id(m), k, kk) not in self.attrs16 and _has_16bit(o): v[kk] = cast_floats(o, torch.float32)
-            elif (id(m), k) not in self.attrs16 and _has_16bit(v): setattr(m, k, cast_floats(v, torch.float32))
-
 def _has_16bit(v) -> bool:
     "Whether `v` is a 16-bit tensor, or a list, tuple or dict that holds one (an RNN's hidden state)"
     if isinstance(v, Tensor): return _is_16bit(v)
