@@ -10,7 +10,6 @@ import math, numbers
 import numpy as np
 import torch
 from torch import Tensor
-from fastcore.basics import patch
 from fastcore.meta import delegates
 
 # %% auto #0
@@ -89,6 +88,120 @@ class LossScaler:
         mode = 'dynamic' if self.dynamic else 'static'
         return f"{type(self).__name__}({mode}, scale={self.scale:g}, skipped={self.skipped})"
 
+    @classmethod
+    @delegates(__init__, but=['dynamic'])
+    def from_loss_scale(cls,
+        dtype:torch.dtype, # The 16-bit type the model trains in
+        loss_scale:str|float|None='auto', # 'dynamic', a positive number (static) or None; 'auto': dynamic for float16, None for bfloat16
+        **kwargs
+    ) -> LossScaler: # The scaler `loss_scale` asks for
+        "The `LossScaler` that `loss_scale` asks for, with `init_scale` only used by dynamic scaling"
+        if isinstance(loss_scale, str):
+            if loss_scale not in ('auto', 'dynamic'):
+                raise ValueError(f"loss_scale must be 'dynamic', a positive number or None, got {loss_scale!r}")
+            if loss_scale == 'auto': loss_scale = 'dynamic' if dtype == torch.float16 else None
+        if loss_scale == 'dynamic': scaler,name = cls(dynamic=True, **kwargs),'init_scale'
+        elif 'init_scale' in kwargs:
+            raise ValueError(f"init_scale only applies to dynamic scaling (loss_scale='dynamic'); with loss_scale={loss_scale!r} "
+                             "the scale never moves: drop init_scale, or set loss_scale='dynamic'.")
+        else: scaler,name = cls(1. if loss_scale is None else _check_scale('loss_scale', loss_scale), dynamic=False, **kwargs),'loss_scale'
+        if dtype == torch.float16 and scaler.scale <= _f16_tiny:
+            raise ValueError(f"{name}={scaler.scale!r} is at or below 2**-24, float16's smallest positive number: the float16 "
+                             "gradients carry the scale, so they would flush to zero and the model would not learn, without a "
+                             "skipped step to show it. Use a scale of 1 or more (the default init_scale is 2**16), or bfloat16.")
+        return scaler
+
+    def scale_loss(self,
+        loss:Tensor, # The loss `backward` will start from
+    ) -> Tensor: # `loss` times the scale
+        "`loss` times the scale (the loss itself when the scale is 1)"
+        return loss if self.scale == 1. else loss * self.scale
+
+    def unscale_(self,
+        grads:list, # FP32 gradients, divided by the scale in place
+    ) -> Tensor|None: # 1.0 if any of `grads` is inf or NaN, else 0.0 (a float32 tensor on the first gradient's device)
+        "Divide `grads` by the scale in place and flag inf/NaN, in one fused pass per device"
+        if not grads: return None
+        _check_scale('scale', self.scale) # set out of range by hand, 1/scale would turn the gradients inf or NaN unflagged
+        if any(g.dtype != torch.float32 for g in grads):
+            raise TypeError("unscale_ takes FP32 gradients: unscaling in 16 bits would flush small gradients to zero")
+        # A sparse gradient (`nn.Embedding(sparse=True)`) has no fused kernel of its own: its values, once coalesced, do.
+        grads = [g._values() if g.is_sparse else g for g in grads]
+        # The reciprocal is taken in float64 so that it is exact for every power-of-two scale, then stored as float32.
+        inv = _f32(1./self.scale)
+        flags = []
+        for dev,gs in _by_device(grads).items():
+            found = torch.zeros((), dtype=torch.float32, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, found, torch.full((), inv, dtype=torch.float32, device=dev))
+            flags.append(found)
+        return flags[0] if len(flags)==1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
+
+    def update(self,
+        found_inf:bool, # Whether this step's gradients had an inf or a NaN (the step was skipped)
+    ) -> None:
+        "Record one optimizer step and move the scale by the dynamic rule"
+        self.history.append((self.scale, bool(found_inf)))
+        if found_inf:
+            if self.consecutive_skips == 0: self._run_start = self.scale
+            self.skipped += 1
+            self.consecutive_skips += 1
+            if self.dynamic:
+                self.scale = max(_f32(self.scale * self.backoff_factor), self.min_scale)
+                self.growth_tracker = 0
+            if self.consecutive_skips >= self.max_consecutive_skips: raise NonFiniteGradients(self._stop_message())
+            return
+        self.consecutive_skips,self._run_start = 0,None
+        if not self.dynamic: return
+        self.growth_tracker += 1
+        if self.growth_tracker >= self.growth_interval: # `>=`: a counter loaded from a run with a longer interval grows too
+            grown = _f32(self.scale * self.growth_factor)
+            if grown <= max_loss_scale: self.scale = grown
+            self.growth_tracker = 0
+
+    def _stop_message(self) -> str:
+        causes = ["the loss or the inputs/targets are non-finite (check the data for NaN/inf)", "the learning rate is too high"]
+        if not self.dynamic and self.scale > 1:
+            causes.insert(0, f"the static loss scale {self.scale:g} makes the gradients overflow (use loss_scale='dynamic', or a smaller scale)")
+        elif self.dynamic and self.scale <= self.min_scale:
+            causes.insert(0, f"the gradients overflow even at the floor min_scale={self.min_scale:g}")
+        elif self.dynamic: # only a limit given can stop a run before the floor
+            causes.insert(0, f"the scale is still backing off: from {self._run_start:g}, where these skips began, it needs "
+                             f"{self._backoffs(self._run_start)} back-offs to reach min_scale={self.min_scale:g}, more than "
+                             f"max_consecutive_skips={self.max_consecutive_skips} allows (raise it, or leave it None to follow the scale)")
+        return (f"{self.consecutive_skips} optimizer steps in a row had inf/NaN gradients (loss scale now {self.scale:g}), so "
+                f"nothing has been learned since. Likely causes: {'; or '.join(causes)}.")
+
+    def state_dict(self) -> dict:
+        "The scaler's state as plain Python scalars, with the mode and the growth interval it was counted under"
+        return {**{k:getattr(self, k) for k in _state_keys}, 'dynamic':self.dynamic, 'growth_interval':self.growth_interval}
+
+    def check_state_dict(self,
+        sd:dict, # A state dict from `state_dict` (older ones lack 'dynamic' and 'growth_interval')
+    ) -> dict: # Its values, checked: a float scale, int counters
+        "Check the types and ranges of a saved scaler state, naming the key that is wrong; load nothing"
+        if not isinstance(sd, dict) or not sd: raise ValueError("The loss scaler state is empty or not a dict: it does not come from `LossScaler.state_dict`.")
+        missing = [k for k in _state_keys if k not in sd]
+        if missing: raise KeyError(f"Loss scaler state lacks {missing}")
+        res = {'scale':_check_scale("the loss scaler state's scale", sd['scale'])}
+        for k in _state_keys[1:]: res[k] = _check_int(f"the loss scaler state's {k}", sd[k], 0, _max_count)
+        if res['consecutive_skips'] > res['skipped']:
+            raise ValueError(f"the loss scaler state's consecutive_skips must be an int from 0 to its skipped ({res['skipped']}): "
+                             f"the skips in a row are among all the skips, got {res['consecutive_skips']!r}")
+        if not isinstance(sd.get('dynamic', self.dynamic), bool): raise TypeError(f"the loss scaler state's dynamic must be True or False, got {sd['dynamic']!r}")
+        if 'growth_interval' in sd: _check_int("the loss scaler state's growth_interval", sd['growth_interval'], 1, _max_count)
+        return {**res, 'dynamic':sd.get('dynamic', self.dynamic)}
+
+    def load_state_dict(self,
+        sd:dict, # What `state_dict` returned
+    ) -> None:
+        "Restore the counters saved by `state_dict`, and the scale if both are dynamic: all of it, or nothing"
+        v = self.check_state_dict(sd)
+        if self.dynamic and v['dynamic']: self.scale,self.growth_tracker = _f32(v['scale']),v['growth_tracker']
+        self.skipped,self.consecutive_skips = v['skipped'],v['consecutive_skips']
+        # Where a saved run of skips began is not saved: at most the scale before its back-offs (the limit errs long)
+        k = self.consecutive_skips
+        self._run_start = None if not k else min(max_loss_scale, self.scale * math.exp(min(k * -math.log(self.backoff_factor), 700.)))
+
 # %% ../nbs/01_scaler.ipynb #9ad9ea3f
 min_loss_scale,max_loss_scale = 2.**-126,2.**126 # A scale and its reciprocal are both normal float32 numbers in this range
 _max_count = 2**63 - 1 # The largest 64-bit count: more optimizer steps than any training takes
@@ -114,29 +227,6 @@ def _check_int(name, x, low:int, high:int|None=None) -> int:
 # %% ../nbs/01_scaler.ipynb #03ed0cbd
 _f16_tiny = 2.**-24 # float16's smallest positive (subnormal) number
 
-@patch(cls_method=True)
-@delegates(LossScaler.__init__, but=['dynamic'])
-def from_loss_scale(cls:LossScaler,
-    dtype:torch.dtype, # The 16-bit type the model trains in
-    loss_scale:str|float|None='auto', # 'dynamic', a positive number (static) or None; 'auto': dynamic for float16, None for bfloat16
-    **kwargs
-) -> LossScaler: # The scaler `loss_scale` asks for
-    "The `LossScaler` that `loss_scale` asks for, with `init_scale` only used by dynamic scaling"
-    if isinstance(loss_scale, str):
-        if loss_scale not in ('auto', 'dynamic'):
-            raise ValueError(f"loss_scale must be 'dynamic', a positive number or None, got {loss_scale!r}")
-        if loss_scale == 'auto': loss_scale = 'dynamic' if dtype == torch.float16 else None
-    if loss_scale == 'dynamic': scaler,name = cls(dynamic=True, **kwargs),'init_scale'
-    elif 'init_scale' in kwargs:
-        raise ValueError(f"init_scale only applies to dynamic scaling (loss_scale='dynamic'); with loss_scale={loss_scale!r} "
-                         "the scale never moves: drop init_scale, or set loss_scale='dynamic'.")
-    else: scaler,name = cls(1. if loss_scale is None else _check_scale('loss_scale', loss_scale), dynamic=False, **kwargs),'loss_scale'
-    if dtype == torch.float16 and scaler.scale <= _f16_tiny:
-        raise ValueError(f"{name}={scaler.scale!r} is at or below 2**-24, float16's smallest positive number: the float16 "
-                         "gradients carry the scale, so they would flush to zero and the model would not learn, without a "
-                         "skipped step to show it. Use a scale of 1 or more (the default init_scale is 2**16), or bfloat16.")
-    return scaler
-
 # %% ../nbs/01_scaler.ipynb #1224f219
 def make_scaler(dtype:torch.dtype, loss_scale='auto', **kwargs) -> LossScaler:
     "The earlier name of `LossScaler.from_loss_scale`, kept for code that imports it"
@@ -148,109 +238,5 @@ def _by_device(ts:list) -> dict:
     for t in ts: res.setdefault(t.device, []).append(t)
     return res
 
-# %% ../nbs/01_scaler.ipynb #fe0448e0
-@patch
-def scale_loss(self:LossScaler,
-    loss:Tensor, # The loss `backward` will start from
-) -> Tensor: # `loss` times the scale
-    "`loss` times the scale (the loss itself when the scale is 1)"
-    return loss if self.scale == 1. else loss * self.scale
-
-# %% ../nbs/01_scaler.ipynb #13e688e9
-@patch
-def unscale_(self:LossScaler,
-    grads:list, # FP32 gradients, divided by the scale in place
-) -> Tensor|None: # 1.0 if any of `grads` is inf or NaN, else 0.0 (a float32 tensor on the first gradient's device)
-    "Divide `grads` by the scale in place and flag inf/NaN, in one fused pass per device"
-    if not grads: return None
-    _check_scale('scale', self.scale) # set out of range by hand, 1/scale would turn the gradients inf or NaN unflagged
-    if any(g.dtype != torch.float32 for g in grads):
-        raise TypeError("unscale_ takes FP32 gradients: unscaling in 16 bits would flush small gradients to zero")
-    # A sparse gradient (`nn.Embedding(sparse=True)`) has no fused kernel of its own: its values, once coalesced, do.
-    grads = [g._values() if g.is_sparse else g for g in grads]
-    # The reciprocal is taken in float64 so that it is exact for every power-of-two scale, then stored as float32.
-    inv = _f32(1./self.scale)
-    flags = []
-    for dev,gs in _by_device(grads).items():
-        found = torch.zeros((), dtype=torch.float32, device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_(gs, found, torch.full((), inv, dtype=torch.float32, device=dev))
-        flags.append(found)
-    return flags[0] if len(flags)==1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
-
-# %% ../nbs/01_scaler.ipynb #e311e8ad
-@patch
-def update(self:LossScaler,
-    found_inf:bool, # Whether this step's gradients had an inf or a NaN (the step was skipped)
-) -> None:
-    "Record one optimizer step and move the scale by the dynamic rule"
-    self.history.append((self.scale, bool(found_inf)))
-    if found_inf:
-        if self.consecutive_skips == 0: self._run_start = self.scale
-        self.skipped += 1
-        self.consecutive_skips += 1
-        if self.dynamic:
-            self.scale = max(_f32(self.scale * self.backoff_factor), self.min_scale)
-            self.growth_tracker = 0
-        if self.consecutive_skips >= self.max_consecutive_skips: raise NonFiniteGradients(self._stop_message())
-        return
-    self.consecutive_skips,self._run_start = 0,None
-    if not self.dynamic: return
-    self.growth_tracker += 1
-    if self.growth_tracker >= self.growth_interval: # `>=`: a counter loaded from a run with a longer interval grows too
-        grown = _f32(self.scale * self.growth_factor)
-        if grown <= max_loss_scale: self.scale = grown
-        self.growth_tracker = 0
-
-# %% ../nbs/01_scaler.ipynb #419ae691
-@patch
-def _stop_message(self:LossScaler) -> str:
-    causes = ["the loss or the inputs/targets are non-finite (check the data for NaN/inf)", "the learning rate is too high"]
-    if not self.dynamic and self.scale > 1:
-        causes.insert(0, f"the static loss scale {self.scale:g} makes the gradients overflow (use loss_scale='dynamic', or a smaller scale)")
-    elif self.dynamic and self.scale <= self.min_scale:
-        causes.insert(0, f"the gradients overflow even at the floor min_scale={self.min_scale:g}")
-    elif self.dynamic: # only a limit given can stop a run before the floor
-        causes.insert(0, f"the scale is still backing off: from {self._run_start:g}, where these skips began, it needs "
-                         f"{self._backoffs(self._run_start)} back-offs to reach min_scale={self.min_scale:g}, more than "
-                         f"max_consecutive_skips={self.max_consecutive_skips} allows (raise it, or leave it None to follow the scale)")
-    return (f"{self.consecutive_skips} optimizer steps in a row had inf/NaN gradients (loss scale now {self.scale:g}), so "
-            f"nothing has been learned since. Likely causes: {'; or '.join(causes)}.")
-
 # %% ../nbs/01_scaler.ipynb #3cae86d7
 _state_keys = ('scale', 'growth_tracker', 'skipped', 'consecutive_skips')
-
-@patch
-def state_dict(self:LossScaler) -> dict:
-    "The scaler's state as plain Python scalars, with the mode and the growth interval it was counted under"
-    return {**{k:getattr(self, k) for k in _state_keys}, 'dynamic':self.dynamic, 'growth_interval':self.growth_interval}
-
-# %% ../nbs/01_scaler.ipynb #afd1108e
-@patch
-def check_state_dict(self:LossScaler,
-    sd:dict, # A state dict from `state_dict` (older ones lack 'dynamic' and 'growth_interval')
-) -> dict: # Its values, checked: a float scale, int counters
-    "Check the types and ranges of a saved scaler state, naming the key that is wrong; load nothing"
-    if not isinstance(sd, dict) or not sd: raise ValueError("The loss scaler state is empty or not a dict: it does not come from `LossScaler.state_dict`.")
-    missing = [k for k in _state_keys if k not in sd]
-    if missing: raise KeyError(f"Loss scaler state lacks {missing}")
-    res = {'scale':_check_scale("the loss scaler state's scale", sd['scale'])}
-    for k in _state_keys[1:]: res[k] = _check_int(f"the loss scaler state's {k}", sd[k], 0, _max_count)
-    if res['consecutive_skips'] > res['skipped']:
-        raise ValueError(f"the loss scaler state's consecutive_skips must be an int from 0 to its skipped ({res['skipped']}): "
-                         f"the skips in a row are among all the skips, got {res['consecutive_skips']!r}")
-    if not isinstance(sd.get('dynamic', self.dynamic), bool): raise TypeError(f"the loss scaler state's dynamic must be True or False, got {sd['dynamic']!r}")
-    if 'growth_interval' in sd: _check_int("the loss scaler state's growth_interval", sd['growth_interval'], 1, _max_count)
-    return {**res, 'dynamic':sd.get('dynamic', self.dynamic)}
-
-# %% ../nbs/01_scaler.ipynb #92f440b7
-@patch
-def load_state_dict(self:LossScaler,
-    sd:dict, # What `state_dict` returned
-) -> None:
-    "Restore the counters saved by `state_dict`, and the scale if both are dynamic: all of it, or nothing"
-    v = self.check_state_dict(sd)
-    if self.dynamic and v['dynamic']: self.scale,self.growth_tracker = _f32(v['scale']),v['growth_tracker']
-    self.skipped,self.consecutive_skips = v['skipped'],v['consecutive_skips']
-    # Where a saved run of skips began is not saved: at most the scale before its back-offs (the limit errs long)
-    k = self.consecutive_skips
-    self._run_start = None if not k else min(max_loss_scale, self.scale * math.exp(min(k * -math.log(self.backoff_factor), 700.)))
