@@ -10,7 +10,6 @@ from enum import Enum
 from typing import Callable
 import torch
 from torch import Tensor
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['GradPhase', 'GradPhaseError', 'local_tensor', 'MasterParams']
@@ -55,51 +54,41 @@ class MasterParams:
         for p in self.params: p.grad = None
         self.found_inf,self.phase = None,GradPhase.EMPTY
 
-# %% ../nbs/02_master.ipynb #5f1c518d
-@patch
-def before_backward(self:MasterParams,
-    scale:float, # The loss scale the coming backward multiplies its gradients by
-) -> None:
-    "Scale the gradients already there (unscaled FP32, as in FP32 training) so that the backward adds to them in kind"
-    if self.phase is GradPhase.STEPPING:
-        raise GradPhaseError("before_backward() while the optimizer steps on the gradients: call stepped() or skip() first.")
-    if self.phase is GradPhase.SCALED: return # a backward that never ended: its gradients are scaled already
-    gs = self.grads() if scale != 1. else []
-    dense = [g for g in gs if not g.is_sparse]
-    if dense: torch._foreach_mul_(dense, scale)
-    for g in gs:
-        if g.is_sparse: g._values().mul_(scale)
-    self.phase = GradPhase.SCALED
+    def before_backward(self,
+        scale:float, # The loss scale the coming backward multiplies its gradients by
+    ) -> None:
+        "Scale the gradients already there (unscaled FP32, as in FP32 training) so that the backward adds to them in kind"
+        if self.phase is GradPhase.STEPPING:
+            raise GradPhaseError("before_backward() while the optimizer steps on the gradients: call stepped() or skip() first.")
+        if self.phase is GradPhase.SCALED: return # a backward that never ended: its gradients are scaled already
+        gs = self.grads() if scale != 1. else []
+        dense = [g for g in gs if not g.is_sparse]
+        if dense: torch._foreach_mul_(dense, scale)
+        for g in gs:
+            if g.is_sparse: g._values().mul_(scale)
+        self.phase = GradPhase.SCALED
 
-# %% ../nbs/02_master.ipynb #297ad6b8
-@patch
-def after_backward(self:MasterParams,
-    unscale:Callable, # Unscales a list of FP32 gradients in place and returns an inf/NaN flag (`LossScaler.unscale_`)
-) -> None:
-    "Unscale every gradient in place and add its inf/NaN check to the step's flag, without a host sync"
-    if self.phase is not GradPhase.SCALED: return # no backward ran since `before_backward`'s scale: nothing new
-    found = unscale(self.grads())
-    if found is not None: self.found_inf = found if self.found_inf is None else torch.maximum(self.found_inf, found)
-    self.phase = GradPhase.UNSCALED
+    def after_backward(self,
+        unscale:Callable, # Unscales a list of FP32 gradients in place and returns an inf/NaN flag (`LossScaler.unscale_`)
+    ) -> None:
+        "Unscale every gradient in place and add its inf/NaN check to the step's flag, without a host sync"
+        if self.phase is not GradPhase.SCALED: return # no backward ran since `before_backward`'s scale: nothing new
+        found = unscale(self.grads())
+        if found is not None: self.found_inf = found if self.found_inf is None else torch.maximum(self.found_inf, found)
+        self.phase = GradPhase.UNSCALED
 
-# %% ../nbs/02_master.ipynb #9bf12b76
-@patch
-def stepping(self:MasterParams) -> None:
-    "The step's gradients were found finite: the optimizer steps on them"
-    if self.phase is not GradPhase.UNSCALED:
-        raise GradPhaseError(f"stepping() with {self.phase.value}: the optimizer may only step on gradients that "
-                             "after_backward() unscaled and checked.")
-    self.phase = GradPhase.STEPPING
+    def stepping(self) -> None:
+        "The step's gradients were found finite: the optimizer steps on them"
+        if self.phase is not GradPhase.UNSCALED:
+            raise GradPhaseError(f"stepping() with {self.phase.value}: the optimizer may only step on gradients that "
+                                 "after_backward() unscaled and checked.")
+        self.phase = GradPhase.STEPPING
 
-# %% ../nbs/02_master.ipynb #1dc45e47
-@patch
-def stepped(self:MasterParams) -> None:
-    "The optimizer stepped: free the gradients"
-    if self.phase is not GradPhase.STEPPING: raise GradPhaseError(f"stepped() with {self.phase.value}: call stepping() first.")
-    self._free_grads()
+    def stepped(self) -> None:
+        "The optimizer stepped: free the gradients"
+        if self.phase is not GradPhase.STEPPING: raise GradPhaseError(f"stepped() with {self.phase.value}: call stepping() first.")
+        self._free_grads()
 
-# %% ../nbs/02_master.ipynb #bcb8d0e3
-@patch
-def skip(self:MasterParams) -> None:
-    "Drop the step's gradients: nothing is stepped"
-    self._free_grads()
+    def skip(self) -> None:
+        "Drop the step's gradients: nothing is stepped"
+        self._free_grads()
