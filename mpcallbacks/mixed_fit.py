@@ -7,7 +7,7 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/mixed_fit.html.md"""
 # %% ../nbs/03a_mixed_fit.ipynb #64a94fc7
 from __future__ import annotations
 import torch
-from fastai.basics import Learner, patch
+from fastai.basics import Learner
 from .cast import cast_model
 from .master import MasterParams, GradPhase, local_tensor
 from .distributed import RankAgreement, fsdp_sharded
@@ -36,64 +36,49 @@ class MixedFit:
 
     def __repr__(self): return f"{type(self).__name__}({self.cast}, {self.grads})"
 
-# %% ../nbs/03a_mixed_fit.ipynb #d249b8f9
-@patch
-def start_training(self:MixedFit) -> None:
-    "Cast the model if nothing did yet, and follow the optimizer's parameters (a new optimizer, `freeze`/`unfreeze`)"
-    if self.cast is None and not self.sharded: self.cast = cast_model(self.learn.model, self.dtype, self.keep)
-    opt = getattr(self.learn, 'opt', None)
-    self.grads.params = list({id(p):p for p in [*self.learn.model.parameters(),
-                                                 *(p for pg in (opt.param_lists if opt else []) for p in pg)]}.values())
+    def start_training(self) -> None:
+        "Cast the model if nothing did yet, and follow the optimizer's parameters (a new optimizer, `freeze`/`unfreeze`)"
+        if self.cast is None and not self.sharded: self.cast = cast_model(self.learn.model, self.dtype, self.keep)
+        opt = getattr(self.learn, 'opt', None)
+        self.grads.params = list({id(p):p for p in [*self.learn.model.parameters(),
+                                                     *(p for pg in (opt.param_lists if opt else []) for p in pg)]}.values())
 
-# %% ../nbs/03a_mixed_fit.ipynb #ca28cf04
-@patch(as_prop=True)
-def device(self:MixedFit) -> torch.device:
-    "Where the model's (first) parameter lives: the device of the step's inf/NaN flag"
-    return self.cast.device if self.cast is not None else next(self.learn.model.parameters()).device
+    @property
+    def device(self) -> torch.device:
+        "Where the model's (first) parameter lives: the device of the step's inf/NaN flag"
+        return self.cast.device if self.cast is not None else next(self.learn.model.parameters()).device
 
-# %% ../nbs/03a_mixed_fit.ipynb #8dfa3979
-@patch
-def begin_batch(self:MixedFit) -> None:
-    "A training batch: its forwards cast (by FSDP2, for a sharded model)"
-    if self.cast is not None: self.cast.begin()
+    def begin_batch(self) -> None:
+        "A training batch: its forwards cast (by FSDP2, for a sharded model)"
+        if self.cast is not None: self.cast.begin()
 
-# %% ../nbs/03a_mixed_fit.ipynb #00226820
-@patch
-def end_batch(self:MixedFit) -> None:
-    "Between batches: forwards run in FP32, and the casts are freed"
-    if self.cast is not None: self.cast.end()
-    self._outer = []
+    def end_batch(self) -> None:
+        "Between batches: forwards run in FP32, and the casts are freed"
+        if self.cast is not None: self.cast.end()
+        self._outer = []
 
-# %% ../nbs/03a_mixed_fit.ipynb #390f13dc
-@patch
-def begin_validation(self:MixedFit) -> None:
-    "A validation pass casts once for all its batches (if this fit casts)"
-    if self.cast is None: return
-    self._outer.append(self.cast.active)
-    self.cast.begin()
+    def begin_validation(self) -> None:
+        "A validation pass casts once for all its batches (if this fit casts)"
+        if self.cast is None: return
+        self._outer.append(self.cast.active)
+        self.cast.begin()
 
-# %% ../nbs/03a_mixed_fit.ipynb #987666fd
-@patch
-def end_validation(self:MixedFit) -> None:
-    "The pass is over: casting back to what it was before it (on, for a pass inside a training batch)"
-    if self.cast is None: return
-    self.cast.end()
-    if self._outer and self._outer.pop(): self.cast.begin()
+    def end_validation(self) -> None:
+        "The pass is over: casting back to what it was before it (on, for a pass inside a training batch)"
+        if self.cast is None: return
+        self.cast.end()
+        if self._outer and self._outer.pop(): self.cast.begin()
 
-# %% ../nbs/03a_mixed_fit.ipynb #8e243661
-@patch
-def weights_note(self:MixedFit) -> str: # A sentence for an error message
-    "Whether the FP32 weights are the last good ones, or themselves non-finite (one host sync, at the end of a fit)"
-    ps = [local_tensor(p) for p in self.learn.model.parameters()] # (a sharded model: this rank's shards)
-    if torch.stack([torch.isfinite(p).all().to(ps[0].device) for p in ps]).all().item():
-        return ("The model holds the last good weights (BatchNorm running statistics, updated in the forward pass, may "
-                "have taken in the non-finite batches).")
-    return ("Some weights are themselves inf or NaN, which no step of mixed precision wrote (they were loaded, or written "
-            "by hand): load a good checkpoint.")
+    def weights_note(self) -> str: # A sentence for an error message
+        "Whether the FP32 weights are the last good ones, or themselves non-finite (one host sync, at the end of a fit)"
+        ps = [local_tensor(p) for p in self.learn.model.parameters()] # (a sharded model: this rank's shards)
+        if torch.stack([torch.isfinite(p).all().to(ps[0].device) for p in ps]).all().item():
+            return ("The model holds the last good weights (BatchNorm running statistics, updated in the forward pass, may "
+                    "have taken in the non-finite batches).")
+        return ("Some weights are themselves inf or NaN, which no step of mixed precision wrote (they were loaded, or written "
+                "by hand): load a good checkpoint.")
 
-# %% ../nbs/03a_mixed_fit.ipynb #fd6d5dae
-@patch
-def close(self:MixedFit) -> None:
-    "End the cast: the model runs in FP32, with no hook of ours"
-    if self.grads.phase is GradPhase.SCALED: self.grads.skip()
-    if self.cast is not None: self.cast.restore()
+    def close(self) -> None:
+        "End the cast: the model runs in FP32, with no hook of ours"
+        if self.grads.phase is GradPhase.SCALED: self.grads.skip()
+        if self.cast is not None: self.cast.restore()
