@@ -76,6 +76,134 @@ class MasterMixedPrecision(Callback):
         if name == 'learn' and value is None and getattr(self, 'fit_state', None) is not None: self.end_fit()
         super().__setattr__(name, value)
 
+    def before_fit(self):
+        "Register the cast of the model's forward (inside a running fit: nothing)"
+        if self.fit_state is not None:
+            if self.fitting:
+                self.fit_state.nested += 1
+                return
+            self.end_fit() # left by a `with learn:` whose end never came
+        self.stopped_by = None
+        cast = bool(self.fitting) or self.mixed_inference
+        self.fit_state = MixedFit(self.learn, self.dtype, self.keep, cast=cast)
+        if cast: warn_if_slow(self.dtype, self.fit_state.device)
+
+    def before_train(self):
+        "Refuse fastai's mixed precision next to ours; follow the optimizer's parameters (a new optimizer, `freeze`/`unfreeze`)"
+        check_no_fastai_fp16(self.learn) # (here, not at `before_fit`: inference raises nowhere, where fastai would keep `learn.lock`)
+        self.fit_state.start_training()
+
+    def after_fit(self):
+        "End the fit: the cast's hooks go (inside a fit: nothing)"
+        fit = self.fit_state
+        if fit.nested: fit.nested -= 1
+        else: self.end_fit()
+
+    def end_fit(self) -> None:
+        "End the fit and drop all it held; safe to call twice"
+        fit,self.fit_state = self.fit_state,None
+        if fit is None: return
+        if fit.grads.phase is GradPhase.STEPPING: self._count_step(fit)
+        fit.close()
+
+    def running_fit(self): # A context manager
+        "The length of one `Learner.fit` call: the fit's cast ends when it ends, however it ends"
+        return _running_fit(self)
+
+    def before_batch(self):
+        "A training batch's forwards cast"
+        if self.training: self.fit_state.begin_batch()
+
+    def after_pred(self):
+        "Hand FP32 predictions to the loss function"
+        self.learn.pred = cast_floats(self.pred, torch.float32) # namedtuples and `ModelOutput`s kept
+
+    def after_loss(self):
+        "Keep the loss in FP32, also where the loss function runs 16-bit sub-models itself (a GAN's critic)"
+        if not len(self.yb): return # fastai computes no loss for batches without a target
+        self.learn.loss_grad,self.learn.loss = cast_floats(self.loss_grad, torch.float32),cast_floats(self.loss, torch.float32)
+
+    def before_backward(self):
+        "Multiply the loss by the scale, and the gradients already there with it"
+        self.fit_state.grads.before_backward(self.scaler.scale)
+        self.learn.loss_grad = self.scaler.scale_loss(self.loss_grad)
+
+    def after_backward(self):
+        "Unscale the gradients and check them for inf/NaN, in one fused pass with no host sync"
+        fit = self.fit_state
+        fit.grads.after_backward(self.scaler.unscale_)
+        fit.ranks.after_backward(self.learn.model)
+
+    def before_step(self):
+        "Read the step's inf/NaN verdict: on inf/NaN, drop the gradients and skip the step"
+        fit = self.fit_state
+        if fit.grads.phase is not GradPhase.UNSCALED: return
+        found_inf = fit.ranks.agree(fit.grads.found_inf, fit.device)
+        if found_inf is None or not found_inf.item():
+            fit.grads.stepping()
+            return
+        fit.grads.skip()
+        try: self.scaler.update(True)
+        except NonFiniteGradients as e: # end the fit the orderly way: every `after_fit` runs, then `Learner.fit` raises it
+            self.stopped_by = NonFiniteGradients(f"{e} {fit.weights_note()}")
+            if not self.fitting: raise self.stopped_by from e # `Learner.fit` is fastai's own: raise it here
+            raise CancelFitException() from e
+        raise CancelStepException()
+
+    def after_step(self):
+        "After a step the optimizer took: count it for the scale's growth, free the gradients and the casts"
+        if self.fit_state.grads.phase is GradPhase.STEPPING: self._stepped()
+
+    def _stepped(self): self._count_step(self.fit_state)
+
+    def _count_step(self, fit:MixedFit):
+        self.scaler.update(False)
+        fit.grads.stepped()
+        if fit.cast is not None: fit.cast.drop_casts()
+
+    def after_cancel_step(self):
+        "Drop the gradients of a step another callback cancelled (before or after ours), as fastai's `zero_grad` does"
+        fit = self.fit_state
+        if fit.grads.phase is not GradPhase.EMPTY: fit.grads.skip()
+
+    def after_batch(self):
+        "Between batches the model runs in FP32"
+        if self.training: self.fit_state.end_batch()
+
+    def after_train(self):
+        "Casting off, also after a training phase cancelled part way"
+        self.fit_state.end_batch()
+
+    def after_epoch(self):
+        "Casting off, also after an epoch cancelled part way"
+        self.fit_state.end_batch()
+
+    def before_validate(self):
+        "The validation pass casts (in a fit, or for 16-bit inference), each cast once for all its batches"
+        self.fit_state.begin_validation()
+
+    def after_validate(self):
+        "Casting back to what it was before the pass"
+        self.fit_state.end_validation()
+
+    def plot_loss_scale(self,
+        ax=None, # Matplotlib axes to draw on; a new figure if None
+    ): # The axes
+        "Plot the loss scale at each optimizer step, with the skipped steps marked"
+        import matplotlib.pyplot as plt
+        if ax is None: _,ax = plt.subplots(figsize=(6, 3))
+        starts,scales,skips = [],[],[] # one point per run of the history, not per step
+        for s,k,n in self.scaler.history.runs:
+            step = starts[-1] + n_prev if starts else 0
+            starts.append(step); scales.append(s); n_prev = n
+            if k: skips += [(step+i, s) for i in range(n)]
+        n_steps = starts[-1] + n_prev if starts else 0
+        ax.step(starts + [n_steps], scales + [self.scaler.scale], where='post', label='loss scale') # ends at the scale now
+        ax.scatter([i for i,_ in skips], [s for _,s in skips], marker='x', color='red', zorder=3, label=f'skipped steps ({len(skips)})')
+        ax.set_yscale('log', base=2)
+        ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
+        return ax
+
 # %% ../nbs/03_callback.ipynb #3be30b8c
 def _fastai_mixed_precision(learn) -> list:
     "fastai's mixed-precision callbacks on `learn`, if `fastai.callback.fp16` is loaded (a learner can only hold them if it is)"
@@ -89,44 +217,6 @@ def check_no_fastai_fp16(learn) -> None:
                          "both cast the model and scale the loss. Keep one: `learn.remove_cb(MixedPrecision)` removes fastai's, "
                          "`learn.to_unmixed()` ours, and `learn.to_fp32()` both.")
 
-# %% ../nbs/03_callback.ipynb #e9818668
-@patch
-def before_fit(self:MasterMixedPrecision):
-    "Register the cast of the model's forward (inside a running fit: nothing)"
-    if self.fit_state is not None:
-        if self.fitting:
-            self.fit_state.nested += 1
-            return
-        self.end_fit() # left by a `with learn:` whose end never came
-    self.stopped_by = None
-    cast = bool(self.fitting) or self.mixed_inference
-    self.fit_state = MixedFit(self.learn, self.dtype, self.keep, cast=cast)
-    if cast: warn_if_slow(self.dtype, self.fit_state.device)
-
-# %% ../nbs/03_callback.ipynb #51d62dc4
-@patch
-def before_train(self:MasterMixedPrecision):
-    "Refuse fastai's mixed precision next to ours; follow the optimizer's parameters (a new optimizer, `freeze`/`unfreeze`)"
-    check_no_fastai_fp16(self.learn) # (here, not at `before_fit`: inference raises nowhere, where fastai would keep `learn.lock`)
-    self.fit_state.start_training()
-
-# %% ../nbs/03_callback.ipynb #942ccfc8
-@patch
-def after_fit(self:MasterMixedPrecision):
-    "End the fit: the cast's hooks go (inside a fit: nothing)"
-    fit = self.fit_state
-    if fit.nested: fit.nested -= 1
-    else: self.end_fit()
-
-# %% ../nbs/03_callback.ipynb #6502423a
-@patch
-def end_fit(self:MasterMixedPrecision) -> None:
-    "End the fit and drop all it held; safe to call twice"
-    fit,self.fit_state = self.fit_state,None
-    if fit is None: return
-    if fit.grads.phase is GradPhase.STEPPING: self._count_step(fit)
-    fit.close()
-
 # %% ../nbs/03_callback.ipynb #096d2dbe
 @contextmanager
 def _running_fit(cb:MasterMixedPrecision):
@@ -136,132 +226,3 @@ def _running_fit(cb:MasterMixedPrecision):
     finally:
         cb.fitting -= 1
         if not cb.fitting: cb.end_fit()
-
-@patch
-def running_fit(self:MasterMixedPrecision): # A context manager
-    "The length of one `Learner.fit` call: the fit's cast ends when it ends, however it ends"
-    return _running_fit(self)
-
-# %% ../nbs/03_callback.ipynb #a2856aea
-@patch
-def before_batch(self:MasterMixedPrecision):
-    "A training batch's forwards cast"
-    if self.training: self.fit_state.begin_batch()
-
-# %% ../nbs/03_callback.ipynb #25e8719a
-@patch
-def after_pred(self:MasterMixedPrecision):
-    "Hand FP32 predictions to the loss function"
-    self.learn.pred = cast_floats(self.pred, torch.float32) # namedtuples and `ModelOutput`s kept
-
-# %% ../nbs/03_callback.ipynb #7ca4a945
-@patch
-def after_loss(self:MasterMixedPrecision):
-    "Keep the loss in FP32, also where the loss function runs 16-bit sub-models itself (a GAN's critic)"
-    if not len(self.yb): return # fastai computes no loss for batches without a target
-    self.learn.loss_grad,self.learn.loss = cast_floats(self.loss_grad, torch.float32),cast_floats(self.loss, torch.float32)
-
-# %% ../nbs/03_callback.ipynb #47c2e963
-@patch
-def before_backward(self:MasterMixedPrecision):
-    "Multiply the loss by the scale, and the gradients already there with it"
-    self.fit_state.grads.before_backward(self.scaler.scale)
-    self.learn.loss_grad = self.scaler.scale_loss(self.loss_grad)
-
-# %% ../nbs/03_callback.ipynb #3e746b20
-@patch
-def after_backward(self:MasterMixedPrecision):
-    "Unscale the gradients and check them for inf/NaN, in one fused pass with no host sync"
-    fit = self.fit_state
-    fit.grads.after_backward(self.scaler.unscale_)
-    fit.ranks.after_backward(self.learn.model)
-
-# %% ../nbs/03_callback.ipynb #53e154f2
-@patch
-def before_step(self:MasterMixedPrecision):
-    "Read the step's inf/NaN verdict: on inf/NaN, drop the gradients and skip the step"
-    fit = self.fit_state
-    if fit.grads.phase is not GradPhase.UNSCALED: return
-    found_inf = fit.ranks.agree(fit.grads.found_inf, fit.device)
-    if found_inf is None or not found_inf.item():
-        fit.grads.stepping()
-        return
-    fit.grads.skip()
-    try: self.scaler.update(True)
-    except NonFiniteGradients as e: # end the fit the orderly way: every `after_fit` runs, then `Learner.fit` raises it
-        self.stopped_by = NonFiniteGradients(f"{e} {fit.weights_note()}")
-        if not self.fitting: raise self.stopped_by from e # `Learner.fit` is fastai's own: raise it here
-        raise CancelFitException() from e
-    raise CancelStepException()
-
-# %% ../nbs/03_callback.ipynb #55ec7ee3
-@patch
-def after_step(self:MasterMixedPrecision):
-    "After a step the optimizer took: count it for the scale's growth, free the gradients and the casts"
-    if self.fit_state.grads.phase is GradPhase.STEPPING: self._stepped()
-
-@patch
-def _stepped(self:MasterMixedPrecision): self._count_step(self.fit_state)
-
-@patch
-def _count_step(self:MasterMixedPrecision, fit:MixedFit):
-    self.scaler.update(False)
-    fit.grads.stepped()
-    if fit.cast is not None: fit.cast.drop_casts()
-
-# %% ../nbs/03_callback.ipynb #58bac10b
-@patch
-def after_cancel_step(self:MasterMixedPrecision):
-    "Drop the gradients of a step another callback cancelled (before or after ours), as fastai's `zero_grad` does"
-    fit = self.fit_state
-    if fit.grads.phase is not GradPhase.EMPTY: fit.grads.skip()
-
-# %% ../nbs/03_callback.ipynb #8edf0cac
-@patch
-def after_batch(self:MasterMixedPrecision):
-    "Between batches the model runs in FP32"
-    if self.training: self.fit_state.end_batch()
-
-# %% ../nbs/03_callback.ipynb #41a5e2dd
-@patch
-def after_train(self:MasterMixedPrecision):
-    "Casting off, also after a training phase cancelled part way"
-    self.fit_state.end_batch()
-
-# %% ../nbs/03_callback.ipynb #c9aa3cb0
-@patch
-def after_epoch(self:MasterMixedPrecision):
-    "Casting off, also after an epoch cancelled part way"
-    self.fit_state.end_batch()
-
-# %% ../nbs/03_callback.ipynb #5cca76d2
-@patch
-def before_validate(self:MasterMixedPrecision):
-    "The validation pass casts (in a fit, or for 16-bit inference), each cast once for all its batches"
-    self.fit_state.begin_validation()
-
-# %% ../nbs/03_callback.ipynb #604c9232
-@patch
-def after_validate(self:MasterMixedPrecision):
-    "Casting back to what it was before the pass"
-    self.fit_state.end_validation()
-
-# %% ../nbs/03_callback.ipynb #d7746900
-@patch
-def plot_loss_scale(self:MasterMixedPrecision,
-    ax=None, # Matplotlib axes to draw on; a new figure if None
-): # The axes
-    "Plot the loss scale at each optimizer step, with the skipped steps marked"
-    import matplotlib.pyplot as plt
-    if ax is None: _,ax = plt.subplots(figsize=(6, 3))
-    starts,scales,skips = [],[],[] # one point per run of the history, not per step
-    for s,k,n in self.scaler.history.runs:
-        step = starts[-1] + n_prev if starts else 0
-        starts.append(step); scales.append(s); n_prev = n
-        if k: skips += [(step+i, s) for i in range(n)]
-    n_steps = starts[-1] + n_prev if starts else 0
-    ax.step(starts + [n_steps], scales + [self.scaler.scale], where='post', label='loss scale') # ends at the scale now
-    ax.scatter([i for i,_ in skips], [s for _,s in skips], marker='x', color='red', zorder=3, label=f'skipped steps ({len(skips)})')
-    ax.set_yscale('log', base=2)
-    ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
-    return ax
