@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['world_size', 'ddp_wrapped', 'fsdp_sharded', 'RankAgreement']
@@ -39,24 +38,20 @@ class RankAgreement:
 
     def __repr__(self): return f"{type(self).__name__}(grads_may_differ={self.grads_may_differ})"
 
-# %% ../nbs/06_data_parallel.ipynb #cd9d33ab
-@patch
-def after_backward(self:RankAgreement,
-    model, # `learn.model`
-) -> None:
-    "Note whether the backward that just ran was all-reduced by DDP"
-    if world_size() == 1: return
-    self.grads_may_differ |= not (ddp_wrapped(model) and model.require_backward_grad_sync)
+    def after_backward(self,
+        model, # `learn.model`
+    ) -> None:
+        "Note whether the backward that just ran was all-reduced by DDP"
+        if world_size() == 1: return
+        self.grads_may_differ |= not (ddp_wrapped(model) and model.require_backward_grad_sync)
 
-# %% ../nbs/06_data_parallel.ipynb #5f5ac6ca
-@patch
-def agree(self:RankAgreement,
-    found_inf:torch.Tensor|None, # This rank's inf/NaN flag, or None if it had no gradient
-    device:torch.device, # Where the flag lives (the model's device)
-) -> torch.Tensor|None: # The flag every rank agrees on
-    "The step's overflow verdict, all-reduced (max) only where the step's gradients may differ between ranks"
-    if not self.grads_may_differ: return found_inf
-    self.grads_may_differ = False
-    if found_inf is None: found_inf = torch.zeros((), device=device) # no gradient here, maybe some elsewhere
-    dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-    return found_inf
+    def agree(self,
+        found_inf:torch.Tensor|None, # This rank's inf/NaN flag, or None if it had no gradient
+        device:torch.device, # Where the flag lives (the model's device)
+    ) -> torch.Tensor|None: # The flag every rank agrees on
+        "The step's overflow verdict, all-reduced (max) only where the step's gradients may differ between ranks"
+        if not self.grads_may_differ: return found_inf
+        self.grads_may_differ = False
+        if found_inf is None: found_inf = torch.zeros((), device=device) # no gradient here, maybe some elsewhere
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return found_inf
