@@ -95,6 +95,170 @@ class PrecisionProbe:
         self.cast.restore()
         self.outs = []
 
+    def _count(self, name:str, kind:str, xs:list) -> None:
+        "Queue the exponents and the largest magnitude of `xs` for `name`'s `kind`: integer ops on the device, no host sync"
+        es,tops,slots = self._pending[:3]
+        slot = self.index[name] * len(_kinds) + _kinds.index(kind)
+        for x in xs:
+            bits = _plain(x).float().view(torch.int32) & 0x7fffffff # |x| as bits: its order is that of the magnitudes
+            tops.append(bits.max())
+            slots.append(slot)
+            es.append(((bits >> 23) + slot * _nbins).flatten()) # the exponent field, in the slot's bins
+
+    def _flush(self) -> None:
+        "Add the batch's queue to the statistics: one `index_add_` and two `scatter_reduce_` for all modules"
+        es,tops,slots,errs,norms,mods = self._pending
+        if es:
+            bins = torch.cat(es).long() # (not `bincount`, which reads its largest input on the host to size its output)
+            self.hist.index_add_(0, bins, torch.ones(len(bins), dtype=self.hist.dtype, device=self.device))
+            idx = torch.tensor(slots, device=self.device)
+            self.largest.scatter_reduce_(0, idx, torch.stack(tops).view(torch.float32), 'amax')
+        if errs:
+            rel = (torch.stack(errs).double() / torch.stack(norms).double().clamp_min(torch.finfo(torch.float64).tiny))
+            self.error.scatter_reduce_(0, torch.tensor(mods, device=self.device), rel, 'amax')
+        self._pending = ([], [], [], [], [], [])
+
+    def _before(self, name:str):
+        "Keep the random state and the attributes of the module and its children as the forward starts, for the rerun"
+        def hook(m, args):
+            if not self._rerunning: self._rng[name] = (_rng_state(self.device), _attrs(m))
+        return hook
+
+    def _after(self, name:str):
+        def hook(m, args, kwargs, out):
+            if self._rerunning: return None
+            self._count(name, 'in', _floats((args, kwargs)))
+            outs = _floats(out)
+            self._count(name, 'act', outs)
+            self.outs += [(name, o) for o in outs if o.requires_grad]
+            if name not in self.failed: self._rerun(name, m, args, kwargs, outs)
+            return None
+        return hook
+
+    def _rerun(self, name:str, m:nn.Module, args, kwargs, outs:list) -> None:
+        "Rerun `m` in 16 bits on the same input, random state and attributes; keep the largest relative error of its output"
+        dev = self.device
+        (rng,attrs),now = self._rng.pop(name),(_rng_state(dev), _attrs(m))
+        self._rerunning = True
+        try:
+            _set_rng_state(rng, dev)
+            _set_attrs(attrs)
+            self.cast.begin()
+            with torch.no_grad(): out16 = _floats(m(*args, **kwargs))
+        except (RuntimeError, TypeError, ValueError) as e:
+            self.failed[name] = e
+            return
+        finally:
+            self.cast.active,self._rerunning = False,False # (not `end()`: the casts serve the next modules of the batch)
+            _set_rng_state(now[0], dev)
+            _set_attrs(now[1]) # as the FP32 forward left them
+        if len(out16) != len(outs) or any(a.shape != b.shape for a,b in zip(out16, outs)):
+            self.failed[name] = ValueError('its 16-bit output has another shape')
+            return
+        diff = torch.cat([(_plain(a).float() - _plain(b).float()).flatten() for a,b in zip(out16, outs)])
+        ref = torch.cat([_plain(b).float().flatten() for b in outs])
+        self._pending[3].append(torch.linalg.vector_norm(diff))
+        self._pending[4].append(torch.linalg.vector_norm(ref))
+        self._pending[5].append(self.index[name])
+
+    def measure(self,
+        xb:tuple, # The model's inputs
+        loss_fn, # Called with the model's output, returns the loss
+    ) -> None:
+        "Run one batch forward and backward in FP32, recording every measured module's statistics"
+        self.outs = []
+        try:
+            with torch.enable_grad():
+                loss = loss_fn(self.model(*xb))
+                if self.outs and loss.requires_grad: # the gradients of the outputs only: no `.grad` written
+                    grads = torch.autograd.grad(loss, [o for _,o in self.outs], allow_unused=True)
+                    for (name,_),g in zip(self.outs, grads):
+                        if g is not None: self._count(name, 'grad', [g])
+            self._flush()
+        finally: self.outs,self._pending = [],([], [], [], [], [], [])
+
+    def _forward_verdict(self, name:str, r:dict) -> tuple|None: # (verdict, reason, a word or two for `KeptFor`)
+        t,fi = str(self.dtype).split('.')[1],torch.finfo(self.dtype)
+        if name in self.failed:
+            e = self.failed[name]
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            if isinstance(e, RuntimeError) and _clash.search(str(e)):
+                return 'keep FP32',f"its forward mixes dtypes: in {t} it raises \"{first}\"",'forward mixes dtypes'
+            return 'keep FP32',f"its forward fails in {t}: \"{first}\"",'forward fails in 16 bits'
+        if min(r['in_headroom'], r['act_headroom']) < headroom_min:
+            side,v = ('inputs','in_max') if r['in_headroom'] < headroom_min else ('activations','act_max') # the inputs first: the cause
+            where = 'beyond' if r[v] > fi.max else f"less than {headroom_min:g} bit below"
+            return 'keep FP32',f"overflow: its {side} reach {_num(r[v])}, {where} {t}'s largest {_num(fi.max)}",'overflow'
+        under = max(r['in_underflow'], r['act_underflow'])
+        if under > underflow_max:
+            return 'keep FP32',f"underflow: {under:.0%} of its nonzero activations fall below {t}'s smallest normal {fi.smallest_normal:.3g}",'underflow'
+        if not r['sensitivity'] <= sensitivity_max * fi.eps: # (NaN too)
+            return ('keep FP32',f"sensitivity: its {t} output is {r['sensitivity']:.2g} off FP32's ({r['sensitivity'] / fi.eps:.0f} "
+                    f"epsilons of {t})",'sensitivity')
+        return None
+
+    def _grad_verdict(self, r:dict) -> tuple: # (verdict, reason, '')
+        t = str(self.dtype).split('.')[1]
+        if r['grad_underflow'] > underflow_max:
+            return ('needs loss scaling',f"{r['grad_underflow']:.0%} of its nonzero output gradients fall below {t}'s smallest normal at "
+                    f"loss scale {_scale_name(self.scale)}: {self._scale_advice()}",'')
+        if r['grad_headroom'] < 0:
+            return 'needs loss scaling',f"its output gradients overflow at loss scale {_scale_name(self.scale)}: {self._scale_advice()}",''
+        return 'fine','',''
+
+    def _scale_advice(self) -> str:
+        "The scale to use: dynamic, or the power of two that leaves the model's largest gradient `headroom_min` below the top"
+        if self.dynamic: return f"its gradients span more than {str(self.dtype).split('.')[1]}'s range: keep it in FP32 with keep_fp32"
+        k = math.floor(math.log2(torch.finfo(self.dtype).max / self.grad_max) - headroom_min) if 0 < self.grad_max < math.inf else None
+        return "use loss_scale='dynamic'" + (f" (or a static 2**{k})" if k is not None else '')
+
+    def read(self) -> 'pd.DataFrame': # A row per measured module, the riskiest first
+        "The statistics and verdicts, read from the device in one transfer"
+        import pandas as pd
+        if not self.owns: return pd.DataFrame(columns=_columns)
+        m,k = len(self.owns),len(_kinds)
+        flat = np.array(torch.cat([self.largest.double(), self.hist, self.error]).tolist()) # the one host sync
+        v = np.zeros((m, k, _nbins + 2)) # per module and kind: the largest magnitude, the histogram, (kind 0) the 16-bit error
+        v[:, :, 0] = flat[:m*k].reshape(m, k)
+        v[:, :, 1:-1] = flat[m*k:m*k + m*k*_nbins].reshape(m, k, _nbins)
+        v[:, 0, -1] = flat[m*k + m*k*_nbins:]
+        big = torch.finfo(self.dtype).max
+        runs_in = {} # a module whose rerun failed alone, and the nearest block above it whose rerun ran it
+        for n in self.failed:
+            above = [a for a in self.owns if n.startswith(a + '.') and a not in self.failed]
+            if above: runs_in[n] = max(above, key=len)
+        for n in runs_in: del self.failed[n] # (judged by that block: in the fit it runs inside it)
+        rows,firsts = [],{}
+        for name,o in zip(self.owns, v):
+            (_, in_under),(act_over, act_under) = [_shares(o[k, 1:-1], self.dtype, 1.) for k in (0, 1)]
+            sens = math.nan if name in self.failed else o[0, -1]
+            r = dict(in_max=o[0, 0], in_headroom=_bits(big, o[0, 0]), in_underflow=in_under, act_max=o[1, 0], act_headroom=_bits(big, o[1, 0]),
+                     act_floor=_floor(o[1, 1:-1], big, 1.), act_overflow=act_over, act_underflow=act_under, sensitivity=sens)
+            firsts[name] = self._forward_verdict(name, r)
+            if name in runs_in: r['sensitivity'] = math.nan # (not measured alone)
+            rows.append((name, o, r))
+        # the gradients that stay 16-bit: of the modules not kept, nor inside a kept one
+        kept = [n for n,f in firsts.items() if f is not None]
+        cast = [i for i,(n,_,_) in enumerate(rows) if not any(n == k or n.startswith(k + '.') for k in kept)]
+        self.grad_max = max((v[i, 2, 0] for i in cast), default=0.) # unscaled
+        self.scale = self.loss_scale # a dynamic scale settles where the largest gradient just fits: it backs off above, grows below
+        if self.dynamic and 0 < self.grad_max < math.inf: self.scale = 2. ** math.floor(math.log2(big / self.grad_max))
+        mods,out = dict(self.model.named_modules()),[]
+        for name,o,r in rows:
+            grad_over,grad_under = _shares(o[2, 1:-1], self.dtype, self.scale)
+            r.update(grad_max=o[2, 0] * self.scale, grad_headroom=_bits(big, o[2, 0] * self.scale), grad_floor=_floor(o[2, 1:-1], big, self.scale),
+                     grad_overflow=grad_over, grad_underflow=grad_under)
+            inside = next((k for k in kept if name.startswith(k + '.')), None)
+            verdict,reason,why = firsts[name] or (('fine',f"in FP32 inside `{inside}`",'') if inside else self._grad_verdict(r))
+            if name in runs_in and verdict == 'fine' and not reason: reason = f"runs in 16 bits only inside `{runs_in[name]}`, judged there"
+            out.append(dict(module=name, type=type(mods[name]).__name__, verdict=verdict, reason=reason, **r, keep_as=why))
+        res = pd.DataFrame(out, columns=_columns)
+        rank = res.verdict.map(_order)
+        room = res[['in_headroom', 'act_headroom', 'grad_headroom']].min(axis=1)
+        res = res.iloc[np.lexsort((room.values, rank.values))].reset_index(drop=True)
+        res.attrs.update(dtype=self.dtype, loss_scale=self.scale, dynamic=self.dynamic)
+        return res
+
 # %% ../nbs/07_doctor.ipynb #6ce5d5b0
 def _attrs(m:nn.Module) -> list: return [(o, dict(vars(o))) for o in m.modules()] # (a stateful RNN's hidden state)
 
@@ -110,96 +274,6 @@ def _rng_state(device:torch.device) -> tuple:
 def _set_rng_state(state:tuple, device:torch.device) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None: torch.cuda.set_rng_state(state[1], device)
-
-@patch
-def _count(self:PrecisionProbe, name:str, kind:str, xs:list) -> None:
-    "Queue the exponents and the largest magnitude of `xs` for `name`'s `kind`: integer ops on the device, no host sync"
-    es,tops,slots = self._pending[:3]
-    slot = self.index[name] * len(_kinds) + _kinds.index(kind)
-    for x in xs:
-        bits = _plain(x).float().view(torch.int32) & 0x7fffffff # |x| as bits: its order is that of the magnitudes
-        tops.append(bits.max())
-        slots.append(slot)
-        es.append(((bits >> 23) + slot * _nbins).flatten()) # the exponent field, in the slot's bins
-
-@patch
-def _flush(self:PrecisionProbe) -> None:
-    "Add the batch's queue to the statistics: one `index_add_` and two `scatter_reduce_` for all modules"
-    es,tops,slots,errs,norms,mods = self._pending
-    if es:
-        bins = torch.cat(es).long() # (not `bincount`, which reads its largest input on the host to size its output)
-        self.hist.index_add_(0, bins, torch.ones(len(bins), dtype=self.hist.dtype, device=self.device))
-        idx = torch.tensor(slots, device=self.device)
-        self.largest.scatter_reduce_(0, idx, torch.stack(tops).view(torch.float32), 'amax')
-    if errs:
-        rel = (torch.stack(errs).double() / torch.stack(norms).double().clamp_min(torch.finfo(torch.float64).tiny))
-        self.error.scatter_reduce_(0, torch.tensor(mods, device=self.device), rel, 'amax')
-    self._pending = ([], [], [], [], [], [])
-
-@patch
-def _before(self:PrecisionProbe, name:str):
-    "Keep the random state and the attributes of the module and its children as the forward starts, for the rerun"
-    def hook(m, args):
-        if not self._rerunning: self._rng[name] = (_rng_state(self.device), _attrs(m))
-    return hook
-
-@patch
-def _after(self:PrecisionProbe, name:str):
-    def hook(m, args, kwargs, out):
-        if self._rerunning: return None
-        self._count(name, 'in', _floats((args, kwargs)))
-        outs = _floats(out)
-        self._count(name, 'act', outs)
-        self.outs += [(name, o) for o in outs if o.requires_grad]
-        if name not in self.failed: self._rerun(name, m, args, kwargs, outs)
-        return None
-    return hook
-
-# %% ../nbs/07_doctor.ipynb #240323e4
-@patch
-def _rerun(self:PrecisionProbe, name:str, m:nn.Module, args, kwargs, outs:list) -> None:
-    "Rerun `m` in 16 bits on the same input, random state and attributes; keep the largest relative error of its output"
-    dev = self.device
-    (rng,attrs),now = self._rng.pop(name),(_rng_state(dev), _attrs(m))
-    self._rerunning = True
-    try:
-        _set_rng_state(rng, dev)
-        _set_attrs(attrs)
-        self.cast.begin()
-        with torch.no_grad(): out16 = _floats(m(*args, **kwargs))
-    except (RuntimeError, TypeError, ValueError) as e:
-        self.failed[name] = e
-        return
-    finally:
-        self.cast.active,self._rerunning = False,False # (not `end()`: the casts serve the next modules of the batch)
-        _set_rng_state(now[0], dev)
-        _set_attrs(now[1]) # as the FP32 forward left them
-    if len(out16) != len(outs) or any(a.shape != b.shape for a,b in zip(out16, outs)):
-        self.failed[name] = ValueError('its 16-bit output has another shape')
-        return
-    diff = torch.cat([(_plain(a).float() - _plain(b).float()).flatten() for a,b in zip(out16, outs)])
-    ref = torch.cat([_plain(b).float().flatten() for b in outs])
-    self._pending[3].append(torch.linalg.vector_norm(diff))
-    self._pending[4].append(torch.linalg.vector_norm(ref))
-    self._pending[5].append(self.index[name])
-
-# %% ../nbs/07_doctor.ipynb #26a8d2b6
-@patch
-def measure(self:PrecisionProbe,
-    xb:tuple, # The model's inputs
-    loss_fn, # Called with the model's output, returns the loss
-) -> None:
-    "Run one batch forward and backward in FP32, recording every measured module's statistics"
-    self.outs = []
-    try:
-        with torch.enable_grad():
-            loss = loss_fn(self.model(*xb))
-            if self.outs and loss.requires_grad: # the gradients of the outputs only: no `.grad` written
-                grads = torch.autograd.grad(loss, [o for _,o in self.outs], allow_unused=True)
-                for (name,_),g in zip(self.outs, grads):
-                    if g is not None: self._count(name, 'grad', [g])
-        self._flush()
-    finally: self.outs,self._pending = [],([], [], [], [], [], [])
 
 # %% ../nbs/07_doctor.ipynb #7c74fb50
 def _scale_name(s:float) -> str: return f"2**{int(math.log2(s))}" if s > 1 and math.log2(s).is_integer() else f"{s:g}"
@@ -226,98 +300,11 @@ def _floor(h:np.ndarray, big:float, scale:float, share:float=underflow_max) -> f
     k = 1 + int(np.argmax(np.cumsum(nz) >= share * nz.sum())) # the bin of that quantile
     return math.log2(big) - (k - 127 + math.log2(scale)) # (from the bin's lower edge)
 
-# %% ../nbs/07_doctor.ipynb #19af3d6c
-@patch
-def _forward_verdict(self:PrecisionProbe, name:str, r:dict) -> tuple|None: # (verdict, reason, a word or two for `KeptFor`)
-    t,fi = str(self.dtype).split('.')[1],torch.finfo(self.dtype)
-    if name in self.failed:
-        e = self.failed[name]
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        if isinstance(e, RuntimeError) and _clash.search(str(e)):
-            return 'keep FP32',f"its forward mixes dtypes: in {t} it raises \"{first}\"",'forward mixes dtypes'
-        return 'keep FP32',f"its forward fails in {t}: \"{first}\"",'forward fails in 16 bits'
-    if min(r['in_headroom'], r['act_headroom']) < headroom_min:
-        side,v = ('inputs','in_max') if r['in_headroom'] < headroom_min else ('activations','act_max') # the inputs first: the cause
-        where = 'beyond' if r[v] > fi.max else f"less than {headroom_min:g} bit below"
-        return 'keep FP32',f"overflow: its {side} reach {_num(r[v])}, {where} {t}'s largest {_num(fi.max)}",'overflow'
-    under = max(r['in_underflow'], r['act_underflow'])
-    if under > underflow_max:
-        return 'keep FP32',f"underflow: {under:.0%} of its nonzero activations fall below {t}'s smallest normal {fi.smallest_normal:.3g}",'underflow'
-    if not r['sensitivity'] <= sensitivity_max * fi.eps: # (NaN too)
-        return ('keep FP32',f"sensitivity: its {t} output is {r['sensitivity']:.2g} off FP32's ({r['sensitivity'] / fi.eps:.0f} "
-                f"epsilons of {t})",'sensitivity')
-    return None
-
-@patch
-def _grad_verdict(self:PrecisionProbe, r:dict) -> tuple: # (verdict, reason, '')
-    t = str(self.dtype).split('.')[1]
-    if r['grad_underflow'] > underflow_max:
-        return ('needs loss scaling',f"{r['grad_underflow']:.0%} of its nonzero output gradients fall below {t}'s smallest normal at "
-                f"loss scale {_scale_name(self.scale)}: {self._scale_advice()}",'')
-    if r['grad_headroom'] < 0:
-        return 'needs loss scaling',f"its output gradients overflow at loss scale {_scale_name(self.scale)}: {self._scale_advice()}",''
-    return 'fine','',''
-
-@patch
-def _scale_advice(self:PrecisionProbe) -> str:
-    "The scale to use: dynamic, or the power of two that leaves the model's largest gradient `headroom_min` below the top"
-    if self.dynamic: return f"its gradients span more than {str(self.dtype).split('.')[1]}'s range: keep it in FP32 with keep_fp32"
-    k = math.floor(math.log2(torch.finfo(self.dtype).max / self.grad_max) - headroom_min) if 0 < self.grad_max < math.inf else None
-    return "use loss_scale='dynamic'" + (f" (or a static 2**{k})" if k is not None else '')
-
 # %% ../nbs/07_doctor.ipynb #5261144a
 _order = {'keep FP32':0, 'needs loss scaling':1, 'fine':2}
 _columns = ['module', 'type', 'verdict', 'reason', 'in_max', 'in_headroom', 'in_underflow', 'act_max', 'act_headroom', 'act_floor',
             'act_overflow', 'act_underflow', 'grad_max', 'grad_headroom', 'grad_floor', 'grad_overflow', 'grad_underflow',
             'sensitivity', 'keep_as']
-
-@patch
-def read(self:PrecisionProbe) -> 'pd.DataFrame': # A row per measured module, the riskiest first
-    "The statistics and verdicts, read from the device in one transfer"
-    import pandas as pd
-    if not self.owns: return pd.DataFrame(columns=_columns)
-    m,k = len(self.owns),len(_kinds)
-    flat = np.array(torch.cat([self.largest.double(), self.hist, self.error]).tolist()) # the one host sync
-    v = np.zeros((m, k, _nbins + 2)) # per module and kind: the largest magnitude, the histogram, (kind 0) the 16-bit error
-    v[:, :, 0] = flat[:m*k].reshape(m, k)
-    v[:, :, 1:-1] = flat[m*k:m*k + m*k*_nbins].reshape(m, k, _nbins)
-    v[:, 0, -1] = flat[m*k + m*k*_nbins:]
-    big = torch.finfo(self.dtype).max
-    runs_in = {} # a module whose rerun failed alone, and the nearest block above it whose rerun ran it
-    for n in self.failed:
-        above = [a for a in self.owns if n.startswith(a + '.') and a not in self.failed]
-        if above: runs_in[n] = max(above, key=len)
-    for n in runs_in: del self.failed[n] # (judged by that block: in the fit it runs inside it)
-    rows,firsts = [],{}
-    for name,o in zip(self.owns, v):
-        (_, in_under),(act_over, act_under) = [_shares(o[k, 1:-1], self.dtype, 1.) for k in (0, 1)]
-        sens = math.nan if name in self.failed else o[0, -1]
-        r = dict(in_max=o[0, 0], in_headroom=_bits(big, o[0, 0]), in_underflow=in_under, act_max=o[1, 0], act_headroom=_bits(big, o[1, 0]),
-                 act_floor=_floor(o[1, 1:-1], big, 1.), act_overflow=act_over, act_underflow=act_under, sensitivity=sens)
-        firsts[name] = self._forward_verdict(name, r)
-        if name in runs_in: r['sensitivity'] = math.nan # (not measured alone)
-        rows.append((name, o, r))
-    # the gradients that stay 16-bit: of the modules not kept, nor inside a kept one
-    kept = [n for n,f in firsts.items() if f is not None]
-    cast = [i for i,(n,_,_) in enumerate(rows) if not any(n == k or n.startswith(k + '.') for k in kept)]
-    self.grad_max = max((v[i, 2, 0] for i in cast), default=0.) # unscaled
-    self.scale = self.loss_scale # a dynamic scale settles where the largest gradient just fits: it backs off above, grows below
-    if self.dynamic and 0 < self.grad_max < math.inf: self.scale = 2. ** math.floor(math.log2(big / self.grad_max))
-    mods,out = dict(self.model.named_modules()),[]
-    for name,o,r in rows:
-        grad_over,grad_under = _shares(o[2, 1:-1], self.dtype, self.scale)
-        r.update(grad_max=o[2, 0] * self.scale, grad_headroom=_bits(big, o[2, 0] * self.scale), grad_floor=_floor(o[2, 1:-1], big, self.scale),
-                 grad_overflow=grad_over, grad_underflow=grad_under)
-        inside = next((k for k in kept if name.startswith(k + '.')), None)
-        verdict,reason,why = firsts[name] or (('fine',f"in FP32 inside `{inside}`",'') if inside else self._grad_verdict(r))
-        if name in runs_in and verdict == 'fine' and not reason: reason = f"runs in 16 bits only inside `{runs_in[name]}`, judged there"
-        out.append(dict(module=name, type=type(mods[name]).__name__, verdict=verdict, reason=reason, **r, keep_as=why))
-    res = pd.DataFrame(out, columns=_columns)
-    rank = res.verdict.map(_order)
-    room = res[['in_headroom', 'act_headroom', 'grad_headroom']].min(axis=1)
-    res = res.iloc[np.lexsort((room.values, rank.values))].reset_index(drop=True)
-    res.attrs.update(dtype=self.dtype, loss_scale=self.scale, dynamic=self.dynamic)
-    return res
 
 # %% ../nbs/07_doctor.ipynb #26fe011e
 class _Untouched:
