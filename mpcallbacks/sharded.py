@@ -118,50 +118,46 @@ class ShardedTrainer(Callback):
         cbs = self.learn._grab_cbs(MasterMixedPrecision)
         return (cbs[0].dtype,cbs[0].keep) if cbs else (None,always_fp32)
 
-# %% ../nbs/08_sharded.ipynb #c8d14c2d
-@patch
-def before_fit(self:ShardedTrainer):
-    "Shard the model at the first fit; give each rank its part of the data"
-    dtype,keep = self._mixed()
-    if not fsdp_sharded(self.model): self._shard(dtype, keep)
-    elif dtype != self.dtype:
-        raise ValueError(f"The model was sharded for a {self.dtype or torch.float32} forward and cannot change to "
-                         f"{dtype or torch.float32}: call `to_mixed` with the dtype of the first sharded fit, or build the learner anew.")
-    distribute = self.distribute_data if self.distribute_data is not None else torch.device(self.dls.device or 'cpu').type == 'cuda'
-    if distribute and num_distrib() > 1:
-        from fastai.distributed import DistributedDL
-        self.old_dls = list(self.dls)
-        self.learn.dls.loaders = [dl if isinstance(dl, DistributedDL) else DistributedDL(dl) for dl in self.dls]
-    if rank_distrib(): self.learn.logger = noop
+    def before_fit(self):
+        "Shard the model at the first fit; give each rank its part of the data"
+        dtype,keep = self._mixed()
+        if not fsdp_sharded(self.model): self._shard(dtype, keep)
+        elif dtype != self.dtype:
+            raise ValueError(f"The model was sharded for a {self.dtype or torch.float32} forward and cannot change to "
+                             f"{dtype or torch.float32}: call `to_mixed` with the dtype of the first sharded fit, or build the learner anew.")
+        distribute = self.distribute_data if self.distribute_data is not None else torch.device(self.dls.device or 'cpu').type == 'cuda'
+        if distribute and num_distrib() > 1:
+            from fastai.distributed import DistributedDL
+            self.old_dls = list(self.dls)
+            self.learn.dls.loaders = [dl if isinstance(dl, DistributedDL) else DistributedDL(dl) for dl in self.dls]
+        if rank_distrib(): self.learn.logger = noop
 
-# %% ../nbs/08_sharded.ipynb #fadb596f
-@patch
-def _shard(self:ShardedTrainer, dtype, keep):
-    "Shard the model; an optimizer of the unsharded parameters is rebuilt on the shards, its state sharded"
-    model = self.model
-    opt_sd = self.learn.opt.state_dict() if getattr(self.learn, 'opt', None) is not None else None
-    memo = {id(p):nn.Parameter(torch.empty_like(p, device='meta'), p.requires_grad) for p in model.parameters()}
-    self.skeleton = copy.deepcopy(model, memo)
-    shard_model(model, dtype, keep, self.units, self.mesh, self.reshard_after_forward)
-    self.dtype = dtype
-    if opt_sd is not None:
-        self.learn.create_opt()
-        load_sharded_opt(self.learn.opt, opt_sd)
+    def _shard(self, dtype, keep):
+        "Shard the model; an optimizer of the unsharded parameters is rebuilt on the shards, its state sharded"
+        model = self.model
+        opt_sd = self.learn.opt.state_dict() if getattr(self.learn, 'opt', None) is not None else None
+        memo = {id(p):nn.Parameter(torch.empty_like(p, device='meta'), p.requires_grad) for p in model.parameters()}
+        self.skeleton = copy.deepcopy(model, memo)
+        shard_model(model, dtype, keep, self.units, self.mesh, self.reshard_after_forward)
+        self.dtype = dtype
+        if opt_sd is not None:
+            self.learn.create_opt()
+            load_sharded_opt(self.learn.opt, opt_sd)
 
-# %% ../nbs/08_sharded.ipynb #3e810f99
-@patch
-def after_fit(self:ShardedTrainer):
-    "Reshard (the model's parameters are the FP32 shards) and give the data back"
-    self.reshard()
-    if hasattr(self, 'old_dls'): self.learn.dls.loaders = self.old_dls; del self.old_dls
+    def after_fit(self):
+        "Reshard (the model's parameters are the FP32 shards) and give the data back"
+        self.reshard()
+        if hasattr(self, 'old_dls'): self.learn.dls.loaders = self.old_dls; del self.old_dls
 
-# %% ../nbs/08_sharded.ipynb #ed4ea1cb
-@patch
-def reshard(self:ShardedTrainer) -> None:
-    "Free every gathered parameter: the model's parameters are the FP32 shards (a no-op where they are)"
-    *_,FSDPModule,_ = fsdp_api()
-    for m in self.model.modules():
-        if isinstance(m, FSDPModule): m.reshard()
+    def reshard(self) -> None:
+        "Free every gathered parameter: the model's parameters are the FP32 shards (a no-op where they are)"
+        *_,FSDPModule,_ = fsdp_api()
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule): m.reshard()
+
+    def running_fit(self): # A context manager
+        "The length of one `Learner.fit` call: however it ends, the model's parameters are its FP32 shards"
+        return _running_sharded_fit(self)
 
 # %% ../nbs/08_sharded.ipynb #ef6027db
 @contextmanager
@@ -171,11 +167,6 @@ def _running_sharded_fit(cb:ShardedTrainer):
         if fsdp_sharded(cb.learn.model): cb.reshard() # (the root's gathered 16-bit parameters, between forward and backward)
         if hasattr(cb, 'old_dls'): cb.learn.dls.loaders = cb.old_dls; del cb.old_dls
         raise
-
-@patch
-def running_fit(self:ShardedTrainer): # A context manager
-    "The length of one `Learner.fit` call: however it ends, the model's parameters are its FP32 shards"
-    return _running_sharded_fit(self)
 
 # %% ../nbs/08_sharded.ipynb #adcd329b
 def _opt_params(opt) -> tuple: # (the optimizer's own, its parameters in its state dict's order, whether torch's format)
