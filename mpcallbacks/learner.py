@@ -18,17 +18,23 @@ from . import checkpoint, doctor
 __all__ = []
 
 # %% ../nbs/05_learner.ipynb #33af46f5
+_fastai_undos = ('to_fp32', 'to_non_native_fp32') # fastai's, defined by `fastai.callback.fp16`
+_undo_installed = False # Whether both are wrapped: then nothing wraps them again
+
 def _undo_with_fastai():
-    "Make fastai's `to_fp32`/`to_non_native_fp32` remove `MasterMixedPrecision` too, once fastai has defined them"
-    for name in ('to_fp32', 'to_non_native_fp32'):
+    "Make fastai's `to_fp32`/`to_non_native_fp32` remove `MasterMixedPrecision` too, once, as soon as fastai has defined them"
+    global _undo_installed
+    if _undo_installed: return
+    for name in _fastai_undos:
         f = Learner.__dict__.get(name)
-        if f is None or getattr(f, '_removes_mixed', False): continue
+        if f is None or getattr(f, '_removes_mixed', False): continue # (wrapped already: by this module before a reload)
         def undo(self, *args, _f=f, **kwargs):
             self.to_unmixed()
             return _f(self, *args, **kwargs)
         undo = wraps(f)(undo)
         undo._removes_mixed = True
         setattr(Learner, name, undo)
+    _undo_installed = all(name in Learner.__dict__ for name in _fastai_undos)
 
 _undo_with_fastai()
 
@@ -58,7 +64,7 @@ def to_mixed(self:Learner,
     **kwargs
 ) -> Learner: # The learner itself, with one `MasterMixedPrecision` callback
     "Train in 16-bit mixed precision with FP32 master weights"
-    _undo_with_fastai()
+    _undo_with_fastai() # (fastai may have defined `to_fp32` since this module was imported)
     _check_arguments(kwargs)
     check_no_fastai_fp16(self)
     cb = MasterMixedPrecision(dtype, **kwargs)

@@ -68,6 +68,31 @@ def test_fastais_to_fp32_removes_ours_too(fastai_first):
     out = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True)
     assert out.stdout.strip() == 'ok', out.stderr
 
+_undo_orders = {'fastai.callback.fp16 first': ("import fastai.callback.fp16\nfrom mpcallbacks.all import *\n", ''),
+                'mpcallbacks first': ("from mpcallbacks.all import *\nimport fastai.callback.fp16\n", ''),
+                'fastai.callback.fp16 after a to_mixed': ("from mpcallbacks.all import *\n", "import fastai.callback.fp16\n")}
+
+@pytest.mark.parametrize('order', list(_undo_orders))
+def test_fastais_to_fp32_is_wrapped_once(order):
+    "Once fastai's `to_fp32`/`to_non_native_fp32` remove ours, `to_mixed` wraps nothing again, not even another library's wrapper of them"
+    imports,later = _undo_orders[order]
+    code = imports + ("from mpcallbacks.test_utils import synth_learner\nimport torch\nfrom fastai.basics import Learner\n"
+                      "synth_learner().to_mixed(torch.bfloat16)\n" + later +
+                      "learn = synth_learner().to_mixed(torch.bfloat16)\n"
+                      "undos = {n:Learner.__dict__[n] for n in ('to_fp32', 'to_non_native_fp32')}\n"
+                      "for _ in range(3): learn.to_mixed(torch.bfloat16)\n"
+                      "assert all(Learner.__dict__[n] is f for n,f in undos.items()), 'to_mixed wrapped fastai again'\n"
+                      # another library wraps fastai's `to_fp32` after us: its wrapper stays as it is, and still removes ours
+                      "def theirs(self, *args, **kwargs): return undos['to_fp32'](self, *args, **kwargs)\n"
+                      "Learner.to_fp32 = theirs\n"
+                      "learn.to_mixed(torch.bfloat16)\n"
+                      "assert Learner.__dict__['to_fp32'] is theirs, 'to_mixed wrapped a wrapper'\n"
+                      "learn.to_fp32()\n"
+                      "assert not learn._grab_cbs(MasterMixedPrecision)\n"
+                      "print('ok')")
+    out = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True)
+    assert out.stdout.strip() == 'ok', out.stderr
+
 def test_importing_the_callback_changes_nothing_of_fastai():
     "Only `mpcallbacks.checkpoint`, `mpcallbacks.doctor` and `mpcallbacks.learner` change fastai's `Learner`: the callback, the cast and the scaler leave it as it is"
     code = ("from fastai.basics import Learner\nbefore = dict(vars(Learner))\n"
