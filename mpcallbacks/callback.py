@@ -60,7 +60,7 @@ class MasterMixedPrecision(Callback):
         "Events act only while a fit is running: one check for all of them, which also settles a step the optimizer took"
         fit = self.fit_state
         if fit is None and event_name != 'before_fit': return None
-        if fit is not None and event_name not in _step_events and fit.grads.phase is GradPhase.STEPPING: self._stepped()
+        if fit is not None and event_name not in _step_events and fit.grads.phase is GradPhase.STEPPING: self.after_step()
         return super().__call__(event_name)
 
     def __reduce__(self): return (Callback, ()) # pickled (`learn.export`): a plain fastai `Callback`, so the export predicts in FP32 and loads without mpcallbacks
@@ -85,7 +85,7 @@ class MasterMixedPrecision(Callback):
             self.end_fit() # left by a `with learn:` whose end never came
         self.stopped_by = None
         cast = bool(self.fitting) or self.mixed_inference
-        self.fit_state = MixedFit(self.learn, self.dtype, self.keep, cast=cast)
+        self.fit_state = MixedFit(self.learn, self.dtype, self.keep, cast=cast, scaler=self.scaler)
         if cast: warn_if_slow(self.dtype, self.fit_state.device)
 
     def before_train(self):
@@ -103,7 +103,6 @@ class MasterMixedPrecision(Callback):
         "End the fit and drop all it held; safe to call twice"
         fit,self.fit_state = self.fit_state,None
         if fit is None: return
-        if fit.grads.phase is GradPhase.STEPPING: self._count_step(fit)
         fit.close()
 
     def running_fit(self): # A context manager
@@ -125,46 +124,30 @@ class MasterMixedPrecision(Callback):
 
     def before_backward(self):
         "Multiply the loss by the scale, and the gradients already there with it"
-        self.fit_state.grads.before_backward(self.scaler.scale)
-        self.learn.loss_grad = self.scaler.scale_loss(self.loss_grad)
+        self.learn.loss_grad = self.fit_state.scale(self.loss_grad)
 
     def after_backward(self):
         "Unscale the gradients and check them for inf/NaN, in one fused pass with no host sync"
-        fit = self.fit_state
-        fit.grads.after_backward(self.scaler.unscale_)
-        fit.ranks.after_backward(self.learn.model)
+        self.fit_state.unscale()
 
     def before_step(self):
-        "Read the step's inf/NaN verdict: on inf/NaN, drop the gradients and skip the step"
-        fit = self.fit_state
-        if fit.grads.phase is not GradPhase.UNSCALED: return
-        found_inf = fit.ranks.agree(fit.grads.found_inf, fit.device)
-        if found_inf is None or not found_inf.item():
-            fit.grads.stepping()
-            return
-        fit.grads.skip()
-        try: self.scaler.update(True)
-        except NonFiniteGradients as e: # end the fit the orderly way: every `after_fit` runs, then `Learner.fit` raises it
-            self.stopped_by = NonFiniteGradients(f"{e} {fit.weights_note()}")
-            if not self.fitting: raise self.stopped_by from e # `Learner.fit` is fastai's own: raise it here
-            raise CancelFitException() from e
-        raise CancelStepException()
+        "Step or skip: a fused optimizer gets the step's inf/NaN flag and skips by itself; another, a skip on inf/NaN"
+        self._stop_on_storm(self.fit_state.step_or_skip)
 
     def after_step(self):
         "After a step the optimizer took: count it for the scale's growth, free the gradients and the casts"
-        if self.fit_state.grads.phase is GradPhase.STEPPING: self._stepped()
+        self._stop_on_storm(self.fit_state.update)
 
-    def _stepped(self): self._count_step(self.fit_state)
-
-    def _count_step(self, fit:MixedFit):
-        self.scaler.update(False)
-        fit.grads.stepped()
-        if fit.cast is not None: fit.cast.drop_casts()
+    def _stop_on_storm(self, f):
+        try: f()
+        except NonFiniteGradients as e: # end the fit the orderly way: every `after_fit` runs, then `Learner.fit` raises it
+            self.stopped_by = NonFiniteGradients(f"{e} {self.fit_state.weights_note()}")
+            if not self.fitting: raise self.stopped_by from e # `Learner.fit` is fastai's own: raise it here
+            raise CancelFitException() from e
 
     def after_cancel_step(self):
         "Drop the gradients of a step another callback cancelled (before or after ours), as fastai's `zero_grad` does"
-        fit = self.fit_state
-        if fit.grads.phase is not GradPhase.EMPTY: fit.grads.skip()
+        self.fit_state.cancel_step()
 
     def after_batch(self):
         "Between batches the model runs in FP32"

@@ -15,6 +15,7 @@ import numpy as np
 import errno, shutil
 from .scaler import LossScaler
 from .distributed import fsdp_sharded
+from .fused import step_fused, skips_on_flag
 
 # %% auto #0
 __all__ = ['scaler_key', 'OptimizerWithScaler', 'ScalerOptFunc', 'carry_scaler', 'drop_scaler', 'replacing_file']
@@ -23,12 +24,28 @@ __all__ = ['scaler_key', 'OptimizerWithScaler', 'ScalerOptFunc', 'carry_scaler',
 scaler_key = 'mpcallbacks.loss_scaler' # Where a checkpoint keeps the scaler's state, next to the optimizer's
 
 class OptimizerWithScaler(GetAttr):
-    "An optimizer whose state dict carries a loss scaler's state too"
+    "The learner's optimizer as `to_mixed` steps it: its state dict carries the loss scaler's, and torch's fused kernels step it where they can"
     _default = 'opt'
     def __init__(self,
         opt, # A fastai `Optimizer` or `OptimWrapper`
         scaler:LossScaler, # The loss scaler whose state travels with the optimizer's
-    ): self.opt,self.scaler,self.interrupted = opt,scaler,None
+    ): self.opt,self.scaler,self.interrupted,self._guard = opt,scaler,None,None
+
+    @property
+    def skips_on_flag(self) -> bool:
+        "Whether the optimizer's fused kernel skips a step itself on the step's inf/NaN flag (torch's `fused=True` optimizers)"
+        return skips_on_flag(self.opt)
+
+    def guard(self,
+        found_inf:Tensor|None, # The step's inf/NaN flag, on the device; None: step unguarded
+    ) -> None:
+        "Hand the next step the flag its fused kernel reads to skip a flagged step itself, with no host sync"
+        self._guard = found_inf
+
+    def step(self, closure=None):
+        "Step: fastai's `Adam`/`SGD` by torch's fused kernels, a guarded step with its flag, any other optimizer as it steps"
+        found_inf,self._guard = self._guard,None
+        return step_fused(self.opt, found_inf, closure)
 
     def state_dict(self) -> dict: # The optimizer's state dict, plus the scaler's under 'mpcallbacks.loss_scaler'
         "The optimizer's state dict with the scaler's state added"

@@ -20,7 +20,7 @@ class GradPhase(Enum):
     EMPTY = 'no gradients since the last step'
     SCALED = 'a scaled backward adds to the gradients'
     UNSCALED = 'gradients unscaled and checked'
-    STEPPING = 'gradients checked finite, for the optimizer to step on'
+    STEPPING = 'gradients for the optimizer to step on: checked finite, or guarded by the flag its kernel reads'
 
 # %% ../nbs/02_master.ipynb #050bd339
 class GradPhaseError(RuntimeError):
@@ -40,6 +40,7 @@ class MasterParams:
         self.params = list({id(p):p for p in params}.values())
         self.phase = GradPhase.EMPTY # Where this step's gradients are in their life
         self.found_inf = None # The step's inf/NaN flag (a device tensor, 1.0 if any), once a backward was unscaled
+        self.guard = None # While stepping: the flag the optimizer's kernel skips on, or None where the host found it finite
 
     def __len__(self): return len(self.params)
     def __repr__(self): return f"{type(self).__name__}({len(self)} parameters, {self.phase.name})"
@@ -52,16 +53,16 @@ class MasterParams:
 
     def _free_grads(self):
         for p in self.params: p.grad = None
-        self.found_inf,self.phase = None,GradPhase.EMPTY
+        self.found_inf,self.guard,self.phase = None,None,GradPhase.EMPTY
 
     def before_backward(self,
-        scale:float, # The loss scale the coming backward multiplies its gradients by
+        scale:float|Tensor, # The loss scale the coming backward multiplies its gradients by (a 0-d tensor: on the device)
     ) -> None:
         "Scale the gradients already there (unscaled FP32, as in FP32 training) so that the backward adds to them in kind"
         if self.phase is GradPhase.STEPPING:
             raise GradPhaseError("before_backward() while the optimizer steps on the gradients: call stepped() or skip() first.")
         if self.phase is GradPhase.SCALED: return # a backward that never ended: its gradients are scaled already
-        gs = self.grads() if scale != 1. else []
+        gs = self.grads() if isinstance(scale, Tensor) or scale != 1. else []
         dense = [g for g in gs if not g.is_sparse]
         if dense: torch._foreach_mul_(dense, scale)
         for g in gs:
@@ -77,12 +78,14 @@ class MasterParams:
         if found is not None: self.found_inf = found if self.found_inf is None else torch.maximum(self.found_inf, found)
         self.phase = GradPhase.UNSCALED
 
-    def stepping(self) -> None:
-        "The step's gradients were found finite: the optimizer steps on them"
+    def stepping(self,
+        guard:Tensor|None=None, # The flag a fused optimizer's kernel reads to skip a flagged step itself; None: found finite on the host
+    ) -> None:
+        "The optimizer steps on the gradients: found finite, or guarded by the flag its kernel reads"
         if self.phase is not GradPhase.UNSCALED:
             raise GradPhaseError(f"stepping() with {self.phase.value}: the optimizer may only step on gradients that "
                                  "after_backward() unscaled and checked.")
-        self.phase = GradPhase.STEPPING
+        self.phase,self.guard = GradPhase.STEPPING,guard
 
     def stepped(self) -> None:
         "The optimizer stepped: free the gradients"

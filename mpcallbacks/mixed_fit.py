@@ -11,6 +11,10 @@ from fastai.basics import Learner
 from .cast import cast_model
 from .master import MasterParams, GradPhase, local_tensor
 from .distributed import RankAgreement, fsdp_sharded
+from .scaler import LossScaler, NonFiniteGradients
+from .checkpoint import OptimizerWithScaler
+from fastai.callback.core import CancelStepException
+from torch import Tensor
 
 # %% auto #0
 __all__ = ['MixedFit']
@@ -23,8 +27,10 @@ class MixedFit:
         dtype:torch.dtype, # The 16-bit type
         keep:tuple, # Types and name patterns of modules that stay in FP32
         cast:bool=True, # Cast from the start (a fit, 16-bit inference); else only once training starts
+        scaler:LossScaler|None=None, # The loss scaler the steps use; None: no scaling (a scale of 1), the inf/NaN check kept
     ):
         self.learn,self.dtype,self.keep = learn,dtype,keep
+        self.scaler = LossScaler(1., dynamic=False) if scaler is None else scaler
         self.sharded = fsdp_sharded(learn.model) # FSDP2's `MixedPrecisionPolicy` casts a sharded model's forward: we never do
         self.cast = cast_model(learn.model, dtype, keep) if cast and not self.sharded else None # The model's cast for the forward
         try: self.grads,self.ranks = MasterParams([]),RankAgreement()
@@ -69,6 +75,46 @@ class MixedFit:
         self.cast.end()
         if self._outer and self._outer.pop(): self.cast.begin()
 
+    # The step, as `torch.amp.GradScaler` takes it: scale, unscale and check, step or skip, update.
+    def scale(self,
+        loss:Tensor, # The loss the backward starts from
+    ) -> Tensor: # The loss times the scale
+        "Scale: the loss, and the gradients already there (the backward adds to them in kind)"
+        self.grads.before_backward(self.scaler.scale_now())
+        return self.scaler.scale_loss(loss)
+
+    def unscale(self) -> None:
+        "Unscale and check: every gradient divided by the scale in place, its inf/NaN added to the step's flag (no host sync)"
+        self.grads.after_backward(self.scaler.unscale_)
+        self.ranks.after_backward(self.learn.model)
+
+    def step_or_skip(self) -> None:
+        "Before the optimizer steps: an optimizer that skips on the flag gets it (no host sync); else the flag is read, and a flagged step skipped"
+        if self.grads.phase is not GradPhase.UNSCALED: return
+        found_inf = self.ranks.agree(self.grads.found_inf, self.device)
+        opt = getattr(self.learn, 'opt', None)
+        if found_inf is not None and isinstance(opt, OptimizerWithScaler) and opt.skips_on_flag:
+            opt.guard(found_inf)
+            return self.grads.stepping(guard=found_inf)
+        if found_inf is None or not found_inf.item(): return self.grads.stepping()
+        self.grads.skip()
+        self.scaler.update(True) # (the storm stop: `NonFiniteGradients`)
+        raise CancelStepException()
+
+    def update(self) -> None:
+        "After the optimizer stepped: the scale moves by the step's verdict (the guard still on the device), the gradients and casts are freed"
+        if self.grads.phase is not GradPhase.STEPPING: return
+        found_inf = False if self.grads.guard is None else self.grads.guard
+        self.grads.stepped()
+        if self.cast is not None: self.cast.drop_casts()
+        self.scaler.update(found_inf) # (the storm stop, for guarded steps read 25 at a time: `NonFiniteGradients`)
+
+    def cancel_step(self) -> None:
+        "A step another callback cancelled: its gradients are dropped, as fastai's `zero_grad` would, and the optimizer unguarded"
+        opt = getattr(self.learn, 'opt', None)
+        if isinstance(opt, OptimizerWithScaler): opt.guard(None)
+        if self.grads.phase is not GradPhase.EMPTY: self.grads.skip()
+
     def weights_note(self) -> str: # A sentence for an error message
         "Whether the FP32 weights are the last good ones, or themselves non-finite (one host sync, at the end of a fit)"
         ps = [local_tensor(p) for p in self.learn.model.parameters()] # (a sharded model: this rank's shards)
@@ -79,6 +125,12 @@ class MixedFit:
                 "by hand): load a good checkpoint.")
 
     def close(self) -> None:
-        "End the cast: the model runs in FP32, with no hook of ours"
-        if self.grads.phase is GradPhase.SCALED: self.grads.skip()
-        if self.cast is not None: self.cast.restore()
+        "End the cast: the model runs in FP32, with no hook of ours; the scaler's flags read"
+        try:
+            if self.grads.phase is GradPhase.STEPPING:
+                try: self.update() # a step the optimizer took, whose `after_step` never came
+                except NonFiniteGradients: pass # (the fit ends here anyway)
+            if self.grads.phase is GradPhase.SCALED: self.grads.skip()
+            self.scaler.settle()
+        finally:
+            if self.cast is not None: self.cast.restore()

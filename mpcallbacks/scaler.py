@@ -42,8 +42,21 @@ class ScaleHistory:
 # %% ../nbs/01_scaler.ipynb #0172ec28
 _skips_at_floor = 25 # The default limit's margin: skips in a row at `min_scale` before the scaler gives up
 
+class _Settled:
+    "A field of the scaler's host state, read and written as it stands once the flags still on the device are recorded"
+    def __set_name__(self, owner, name): self.name = '_' + name
+    def __get__(self, obj, objtype=None):
+        if obj is None: return self
+        obj.settle()
+        return obj.__dict__[self.name]
+    def __set__(self, obj, value):
+        obj.settle()
+        obj.__dict__[self.name] = value
+
 class LossScaler:
     "Loss scale with the dynamic rule of `torch.amp.GradScaler`, a floor, and a limit on consecutive skips"
+    scale,growth_tracker,skipped,consecutive_skips,history,_run_start = (_Settled() for _ in range(6))
+    settle_every = _skips_at_floor # Steps whose flags stay on the device before they are read (one host sync for all)
     def __init__(self,
         init_scale:float=2.**16, # The scale to start from
         dynamic:bool=True, # Back off on inf/NaN and grow after `growth_interval` good steps; else keep `init_scale`
@@ -53,6 +66,8 @@ class LossScaler:
         min_scale:float=1., # The scale never backs off below this
         max_consecutive_skips:int|None=None, # Skips in a row that raise `NonFiniteGradients`; None: back-offs from the scale where the skips began to `min_scale`, plus 25
     ):
+        self._pending = [] # The flags of steps recorded on the device (`update` with a tensor), not read yet
+        self._on_device = None # The scale and growth tracker those steps moved to, on the device (float64); None: the host's are current
         init_scale = _check_scale('init_scale', init_scale)
         # Every argument is checked in every mode: a bad value is a mistake even where a static scale never uses it.
         growth_factor,backoff_factor = _check_number('growth_factor', growth_factor),_check_number('backoff_factor', backoff_factor)
@@ -111,36 +126,52 @@ class LossScaler:
                              "skipped step to show it. Use a scale of 1 or more (the default init_scale is 2**16), or bfloat16.")
         return scaler
 
+    def scale_now(self) -> float|Tensor: # A float, or a 0-d float32 tensor on the device while steps are pending
+        "The scale the next backward uses, without a host sync: the device's while flags of a dynamic scale are still unread"
+        return self.__dict__['_scale'] if self._on_device is None else self._on_device[0].float() # (a static scale never moves)
+
     def scale_loss(self,
         loss:Tensor, # The loss `backward` will start from
     ) -> Tensor: # `loss` times the scale
         "`loss` times the scale (the loss itself when the scale is 1)"
-        return loss if self.scale == 1. else loss * self.scale
+        scale = self.scale_now()
+        return loss if not isinstance(scale, Tensor) and scale == 1. else loss * scale
 
     def unscale_(self,
         grads:list, # FP32 gradients, divided by the scale in place
     ) -> Tensor|None: # 1.0 if any of `grads` is inf or NaN, else 0.0 (a float32 tensor on the first gradient's device)
         "Divide `grads` by the scale in place and flag inf/NaN, in one fused pass per device"
         if not grads: return None
-        _check_scale('scale', self.scale) # set out of range by hand, 1/scale would turn the gradients inf or NaN unflagged
+        scale = self.scale_now()
+        if not isinstance(scale, Tensor): _check_scale('scale', scale) # set out of range by hand, 1/scale would turn the gradients inf or NaN unflagged
         if any(g.dtype != torch.float32 for g in grads):
             raise TypeError("unscale_ takes FP32 gradients: unscaling in 16 bits would flush small gradients to zero")
         # A sparse gradient (`nn.Embedding(sparse=True)`) has no fused kernel of its own: its values, once coalesced, do.
         grads = [g._values() if g.is_sparse else g for g in grads]
         # The reciprocal is taken in float64 so that it is exact for every power-of-two scale, then stored as float32.
-        inv = _f32(1./self.scale)
+        inv = _f32(1./scale) if not isinstance(scale, Tensor) else (1./self._on_device[0]).float()
         flags = []
         for dev,gs in _by_device(grads).items():
             found = torch.zeros((), dtype=torch.float32, device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(gs, found, torch.full((), inv, dtype=torch.float32, device=dev))
+            inv_dev = inv.to(dev) if isinstance(inv, Tensor) else torch.full((), inv, dtype=torch.float32, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv_dev)
             flags.append(found)
         return flags[0] if len(flags)==1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
 
     def update(self,
-        found_inf:bool, # Whether this step's gradients had an inf or a NaN (the step was skipped)
+        found_inf:bool|Tensor, # Whether this step's gradients had an inf or a NaN (the step was skipped); a tensor: its flag, not read yet
     ) -> None:
-        "Record one optimizer step and move the scale by the dynamic rule"
-        self.history.append((self.scale, bool(found_inf)))
+        "Record one optimizer step and move the scale by the dynamic rule; a flag still on the device is read with the next ones"
+        if isinstance(found_inf, Tensor):
+            self._update_on_device(found_inf)
+            if len(self._pending) < self.settle_every: return
+            stop = self.settle()
+        else: stop = self._record(bool(found_inf))
+        if stop: raise NonFiniteGradients(stop)
+
+    def _record(self, found_inf:bool) -> str|None: # The stop message, at the skip that reaches the limit
+        "One step on the host: the history, the counters and the scale"
+        self.history.append((self.scale, found_inf))
         if found_inf:
             if self.consecutive_skips == 0: self._run_start = self.scale
             self.skipped += 1
@@ -148,15 +179,38 @@ class LossScaler:
             if self.dynamic:
                 self.scale = max(_f32(self.scale * self.backoff_factor), self.min_scale)
                 self.growth_tracker = 0
-            if self.consecutive_skips >= self.max_consecutive_skips: raise NonFiniteGradients(self._stop_message())
-            return
+            return self._stop_message() if self.consecutive_skips >= self.max_consecutive_skips else None
         self.consecutive_skips,self._run_start = 0,None
-        if not self.dynamic: return
+        if not self.dynamic: return None
         self.growth_tracker += 1
         if self.growth_tracker >= self.growth_interval: # `>=`: a counter loaded from a run with a longer interval grows too
             grown = _f32(self.scale * self.growth_factor)
             if grown <= max_loss_scale: self.scale = grown
             self.growth_tracker = 0
+        return None
+
+    def _update_on_device(self, found_inf:Tensor) -> None:
+        "`_record`'s dynamic rule on the device, for a flag not read yet: the next step's scale with no host sync"
+        if self.dynamic:
+            if self._on_device is None:
+                self._on_device = torch.tensor([self.scale, self.growth_tracker], dtype=torch.float64, device=found_inf.device)
+            scale,tracker = self._on_device.unbind()
+            found,count = found_inf.to(torch.float64) > 0,tracker + 1
+            # In float64, rounded to float32 as `_f32` rounds: the host's replay of the same flags lands on the same scale
+            backed = (scale * self.backoff_factor).float().double().clamp_min(self.min_scale)
+            grown = (scale * self.growth_factor).float().double()
+            grow = count >= self.growth_interval
+            grown = torch.where(grown <= max_loss_scale, grown, scale)
+            self._on_device = torch.stack([torch.where(found, backed, torch.where(grow, grown, scale)),
+                                           torch.where(found | grow, torch.zeros_like(count), count)])
+        self._pending.append(found_inf.detach())
+
+    def settle(self) -> str|None: # The stop message, if a skip among them reached the limit
+        "Read the flags still on the device, all in one host sync, and record their steps: the history, counters and scale as they stand"
+        if not self._pending: return None
+        flags,self._pending,self._on_device = self._pending,[],None
+        stops = [self._record(bool(f)) for f in torch.stack([f.reshape(()).float() for f in flags]).tolist()]
+        return next((s for s in stops if s), None)
 
     def _stop_message(self) -> str:
         causes = ["the loss or the inputs/targets are non-finite (check the data for NaN/inf)", "the learning rate is too high"]

@@ -1,0 +1,103 @@
+"""Optimizer steps: a fused torch optimizer skips flagged steps in its kernel, with no host sync, exactly as
+`torch.amp.GradScaler` drives it; fastai's `Adam`/`SGD` step through torch's fused kernels with fastai's state."""
+from functools import partial
+import pytest, torch
+from fastai.basics import Callback, OptimWrapper, Adam, SGD, CancelStepException
+import fastai.callback.schedule # fit_one_cycle
+from mpcallbacks.callback import MasterMixedPrecision
+from mpcallbacks.checkpoint import OptimizerWithScaler
+from mpcallbacks.scaler import NonFiniteGradients
+from mpcallbacks.test_utils import synth_learner, opt_params, InjectNonFinite, count_syncs
+
+pytestmark = pytest.mark.filterwarnings('ignore:float16 math is emulated')
+fused_adamw = partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))
+
+def syncs_of(learn, epochs=2, **kwargs) -> int:
+    with count_syncs() as n: learn.fit(epochs, 1e-3, **kwargs)
+    return sum(n.values())
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+def test_fused_optimizer_adds_no_host_sync_per_step(dtype):
+    fp32 = syncs_of(synth_learner(opt_func=fused_adamw))
+    learn = synth_learner(opt_func=fused_adamw).to_mixed(dtype)
+    extra = syncs_of(learn) - fp32
+    assert len(learn.master_mixed_precision.scaler.history) == 16
+    assert extra <= 1, f"{extra} syncs beyond FP32's over 16 steps" # the flags, read once at the end of the fit
+
+def test_flags_are_read_every_25_steps():
+    learn = synth_learner(opt_func=fused_adamw).to_mixed(torch.bfloat16)
+    fp32 = syncs_of(synth_learner(opt_func=fused_adamw), epochs=8)
+    extra = syncs_of(learn, epochs=8) - fp32 # 64 steps: read after 25 and 50, and at the end
+    assert extra == 3
+
+def test_a_non_fused_optimizer_reads_the_flag_once_per_step():
+    fp32 = syncs_of(synth_learner(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW)))
+    extra = syncs_of(synth_learner(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW)).to_mixed(torch.float16)) - fp32
+    assert extra == 16
+
+class RecordGrads(Callback):
+    "The unscaled gradients each step hands the optimizer, and the scale its backward used"
+    order = MasterMixedPrecision.order + 1
+    def before_fit(self): self.steps = []
+    def before_backward(self): self.scale = float(self.learn.master_mixed_precision.scaler.scale_now())
+    def before_step(self): self.steps.append(([p.grad.detach().clone() for p in opt_params(self.learn)], self.scale))
+
+def test_skips_are_bit_identical_to_gradscaler_driving_the_same_fused_optimizer():
+    learn = synth_learner(opt_func=fused_adamw, wd=0.)
+    init = [p.detach().clone() for p in opt_params(learn.create_opt() or learn)]
+    learn.to_mixed(torch.float16, init_scale=2.**10, growth_interval=3)
+    rec = RecordGrads()
+    learn.fit(2, 1e-2, cbs=[InjectNonFinite(at=[1, 2, 9]), rec])
+    hist = list(learn.master_mixed_precision.scaler.history)
+    assert [i for i,(_,k) in enumerate(hist) if k] == [1, 2, 9]
+    # torch's own recipe on the same gradients: scale, unscale_, step (the fused kernel skips), update
+    ps = [torch.nn.Parameter(p.clone()) for p in init]
+    opt = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0., fused=True)
+    gs = torch.amp.GradScaler('cpu', init_scale=2.**10, growth_interval=3)
+    for (grads, scale),(s,_) in zip(rec.steps, hist):
+        assert gs.scale(torch.ones(())).item() == scale == s
+        for p,g in zip(ps, grads): p.grad = g * scale # the gradients as the scaled backward left them
+        gs.unscale_(opt); gs.step(opt); gs.update()
+    for a,b in zip(opt_params(learn), ps): assert torch.equal(a, b)
+    theirs = [opt.state[p] for p in ps]
+    ours = [learn.opt.opt.opt.state[p] for p in opt_params(learn)]
+    for a,b in zip(ours, theirs):
+        for k in ('exp_avg', 'exp_avg_sq', 'step'): assert torch.equal(a[k], b[k]), k
+    assert learn.master_mixed_precision.loss_scale == gs.get_scale()
+
+def test_a_storm_under_a_fused_optimizer_stops_the_fit():
+    learn = synth_learner(opt_func=fused_adamw).to_mixed(torch.bfloat16, max_consecutive_skips=3)
+    before = [p.detach().clone() for p in learn.model.parameters()]
+    with pytest.raises(NonFiniteGradients, match='optimizer steps in a row'):
+        learn.fit(8, 1e-2, cbs=InjectNonFinite(at=range(1000)))
+    assert learn.master_mixed_precision.skipped == 25 # read 25 at a time: the storm is seen at the first read
+    for a,b in zip(before, learn.model.parameters()): assert torch.equal(a, b) # no step wrote, BatchNorm's weights included
+
+class CancelEveryOtherStep(Callback):
+    order = MasterMixedPrecision.order + 1
+    def before_fit(self): self.n = 0
+    def before_step(self):
+        self.n += 1
+        if self.n % 2: raise CancelStepException()
+
+def test_a_step_another_callback_cancels_leaves_the_optimizer_unguarded():
+    learn = synth_learner(opt_func=fused_adamw).to_mixed(torch.float16)
+    learn.fit(1, 1e-3, cbs=CancelEveryOtherStep())
+    assert isinstance(learn.opt, OptimizerWithScaler) and learn.opt._guard is None
+    assert len(learn.master_mixed_precision.scaler.history) == 4 # the steps taken: cancelled ones are not counted
+
+# ---- fastai's Adam and SGD on the fused kernels
+
+@pytest.mark.parametrize('opt_func', [Adam, partial(Adam, decouple_wd=False), partial(SGD, mom=0.9), SGD])
+def test_fastai_optimizers_train_as_their_own_step_does(opt_func, monkeypatch):
+    learn = synth_learner(opt_func=opt_func).to_mixed(torch.bfloat16)
+    learn.fit_one_cycle(2, 1e-2) # lr and mom scheduled at every step
+    with monkeypatch.context() as m: # the same fit, fastai's own step
+        m.setattr('mpcallbacks.fused.fused_kind', lambda opt: None)
+        ref = synth_learner(opt_func=opt_func).to_mixed(torch.bfloat16)
+        ref.fit_one_cycle(2, 1e-2)
+    # each step agrees to float rounding (the notebook shows 1e-7); 16 steps of bfloat16 forwards amplify it
+    for a,b in zip(opt_params(learn), opt_params(ref)): torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-4)
+    sa,sb = learn.opt.state_dict()['state'],ref.opt.state_dict()['state']
+    assert [sorted(s) for s in sa] == [sorted(s) for s in sb]
+    assert all(type(s.get('step', 0)) is int for s in sa)
