@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from fastai.optimizer import (Optimizer, OptimWrapper, weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat,
                               adam_step, sgd_step, momentum_step)
+from .master import local_tensor
 
 # %% auto #0
 __all__ = ['fused_kind', 'skips_on_flag', 'step_fused']
@@ -48,7 +49,9 @@ def skips_on_flag(
 def _fused_ok(ps:list) -> bool:
     "Whether torch's fused kernels take these parameters and their gradients: dense, floating point, one device type they run on"
     return all(p.grad is not None and p.grad.layout is torch.strided and p.grad.dtype == p.dtype and p.dtype.is_floating_point
-               and p.device.type in ('cpu', 'cuda') and not hasattr(p, 'placements') for p in ps) # (no sharded DTensor)
+               and p.device.type in ('cpu', 'cuda') for p in ps)
+
+def _local(ts:list) -> list: return [local_tensor(t) for t in ts] # (a sharded parameter's update is its shard's: elementwise)
 
 # %% ../nbs/02a_fused.ipynb #be2cd94f
 @torch.no_grad()
@@ -65,8 +68,8 @@ def _adam(opt:Optimizer, decoupled:bool) -> None:
         for (wd,step,dev,_),pss in buckets.items():
             params,states = [p for p,_ in pss],[st for _,st in pss]
             steps = [torch.full((), float(step + 1), device=dev)] * len(params) # (the kernel reads it, never writes it)
-            (torch._fused_adamw_ if decoupled else torch._fused_adam_)(params, [p.grad for p in params],
-                [st['grad_avg'] for st in states], [st['sqr_avg'] for st in states], [], steps, lr=hyper['lr'],
+            (torch._fused_adamw_ if decoupled else torch._fused_adam_)(_local(params), _local([p.grad for p in params]),
+                _local([st['grad_avg'] for st in states]), _local([st['sqr_avg'] for st in states]), [], steps, lr=hyper['lr'],
                 beta1=hyper['mom'], beta2=hyper['sqr_mom'], weight_decay=wd, eps=hyper['eps'], amsgrad=False, maximize=False)
             for st in states: st['step'] = step + 1
 
@@ -83,9 +86,9 @@ def _sgd(opt:Optimizer, decoupled:bool, momentum:bool) -> None:
             wd = hyper['wd'] if st.get('do_wd', True) else 0.
             buckets.setdefault((wd, p.device, p.dtype), []).append((p, st))
         for (wd,_,_),pss in buckets.items():
-            params = [p for p,_ in pss]
+            params = _local([p for p,_ in pss])
             if decoupled and wd: torch._foreach_mul_(params, 1 - lr*wd) # fastai's `weight_decay`; the kernel's is L2
-            torch._fused_sgd_(params, [p.grad for p in params], [st['grad_avg'] for _,st in pss] if mom else [],
+            torch._fused_sgd_(params, _local([p.grad for p,_ in pss]), _local([st['grad_avg'] for _,st in pss]) if mom else [],
                 weight_decay=0. if decoupled else wd, momentum=mom, lr=lr, dampening=0., nesterov=False, maximize=False,
                 is_first_step=False)
 

@@ -12,7 +12,7 @@ from .cast import cast_model
 from .master import MasterParams, GradPhase, local_tensor
 from .distributed import RankAgreement, fsdp_sharded
 from .scaler import LossScaler, NonFiniteGradients
-from .checkpoint import OptimizerWithScaler
+
 from fastai.callback.core import CancelStepException
 from torch import Tensor
 
@@ -93,8 +93,9 @@ class MixedFit:
         if self.grads.phase is not GradPhase.UNSCALED: return
         found_inf = self.ranks.agree(self.grads.found_inf, self.device)
         opt = getattr(self.learn, 'opt', None)
-        if found_inf is not None and isinstance(opt, OptimizerWithScaler) and opt.skips_on_flag:
-            opt.guard(found_inf)
+        guard = getattr(opt, 'guard', None) # (`OptimizerWithScaler`'s, the optimizer `to_mixed` gives the learner)
+        if found_inf is not None and guard is not None and opt.skips_on_flag:
+            guard(found_inf)
             return self.grads.stepping(guard=found_inf)
         if found_inf is None or not found_inf.item(): return self.grads.stepping()
         self.grads.skip()
@@ -111,8 +112,8 @@ class MixedFit:
 
     def cancel_step(self) -> None:
         "A step another callback cancelled: its gradients are dropped, as fastai's `zero_grad` would, and the optimizer unguarded"
-        opt = getattr(self.learn, 'opt', None)
-        if isinstance(opt, OptimizerWithScaler): opt.guard(None)
+        guard = getattr(getattr(self.learn, 'opt', None), 'guard', None)
+        if guard is not None: guard(None)
         if self.grads.phase is not GradPhase.EMPTY: self.grads.skip()
 
     def weights_note(self) -> str: # A sentence for an error message
