@@ -265,13 +265,13 @@ def test_the_masters_are_cast_once_per_training_batch_and_once_per_validation(mo
     "The masters -> 16-bit cast is the cost of casting in the forward: once per step, and once for a whole validation pass"
     from mpcallbacks.cast import ModelCast
     from mpcallbacks.test_utils import synth_dls
-    made, cast_of = [0], ModelCast._cast_of
-    def counted(self, p):
-        before = self._casts.get(id(p))
-        res = cast_of(self, p)
-        made[0] += self._casts.get(id(p)) is not before
+    made, cast_all = [0], ModelCast._cast_all
+    def counted(self):
+        before = self._casts
+        res = cast_all(self)
+        made[0] += len(res) if self._casts is not before else 0
         return res
-    monkeypatch.setattr(ModelCast, '_cast_of', counted)
+    monkeypatch.setattr(ModelCast, '_cast_all', counted)
     learn = synth_learner().to_mixed(torch.bfloat16)
     learn.dls = synth_dls(bs=16) # 16 training batches, 4 validation batches
     learn.fit(2, 1e-2)
