@@ -76,6 +76,15 @@ class MasterMixedPrecision(Callback):
         if name == 'learn' and value is None and getattr(self, 'fit_state', None) is not None: self.end_fit()
         super().__setattr__(name, value)
 
+    def measure_auto(self,
+        learn:Learner, # The learner about to fit (this callback may be one passed to its `fit`)
+    ) -> None:
+        "`keep_fp32='auto'`: before the first fit casts, keep in FP32 what the precision doctor finds 16 bits would break"
+        if not self.auto or self.auto_kept is not None: return
+        from .doctor import auto_fp32 # (the doctor builds on this callback: imported where it is called)
+        self.auto_kept = auto_fp32(learn, self.dtype, self.keep, self.loss_scale, self.scaler.dynamic)
+        self.keep = self.keep + self.auto_kept
+
     def before_fit(self):
         "Register the cast of the model's forward (inside a running fit: nothing)"
         if self.fit_state is not None:
@@ -84,9 +93,9 @@ class MasterMixedPrecision(Callback):
                 return
             self.end_fit() # left by a `with learn:` whose end never came
         self.stopped_by = None
-        cast = bool(self.fitting) or self.mixed_inference
-        self.fit_state = MixedFit(self.learn, self.dtype, self.keep, cast=cast, scaler=self.scaler)
-        if cast: warn_if_slow(self.dtype, self.fit_state.device)
+        cast = bool(self.fitting)
+        self.fit_state = MixedFit(self.learn, self.dtype, self.keep, cast=cast, per_pass=self.mixed_inference, scaler=self.scaler)
+        if cast or self.mixed_inference: warn_if_slow(self.dtype, self.fit_state.device)
 
     def before_train(self):
         "Refuse fastai's mixed precision next to ours; follow the optimizer's parameters (a new optimizer, `freeze`/`unfreeze`)"
@@ -101,9 +110,10 @@ class MasterMixedPrecision(Callback):
 
     def end_fit(self) -> None:
         "End the fit and drop all it held; safe to call twice"
-        fit,self.fit_state = self.fit_state,None
+        fit = self.fit_state
         if fit is None: return
-        fit.close()
+        fit.close() # (dropped only once closed: a close an error cut short is done again by the next call)
+        self.fit_state = None
 
     def running_fit(self): # A context manager
         "The length of one `Learner.fit` call: the fit's cast ends when it ends, however it ends"

@@ -21,7 +21,7 @@ import importlib
 # %% auto #0
 __all__ = ['always_fp32', 'norms_taking_16bit_input', 'keeps_fp32', 'as_16bit_dtype', 'native_16bit_dtypes', 'warn_if_slow',
            'kept_tops', 'check_castable', 'unmatched_names', 'KeptFor', 'cast_summary', 'cast_floats', 'CastRole',
-           'kept_role', 'ModelCast', 'cast_model']
+           'kept_role', 'ModelCast', 'cast_model', 'masters_of']
 
 # %% ../nbs/00_cast.ipynb #a02f7f2c
 _SpectralNorm = getattr(parametrizations, '_SpectralNorm', None) # the parametrization (torch's private name)
@@ -448,3 +448,16 @@ def cast_model(
     res = ModelCast(model, dtype, keep)
     res._register()
     return res
+
+# %% ../nbs/00_cast.ipynb #b2c3d4e5
+def masters_of(
+    params, # Parameters, or groups of them (lists, or torch's dicts with 'params'), as an optimizer takes them
+): # The same, as lists, with each cast a running forward holds in a slot replaced by its FP32 master
+    "The parameters an optimizer built inside a forward must step: each 16-bit cast in a slot is its FP32 master"
+    cast_of = {id(c):p for mc in {id(v):v for v in _by_module.values()}.values() if mc._casts is not None
+               for c,p in zip(mc._casts[2], mc.masters)}
+    def sub(o):
+        if isinstance(o, Tensor): return cast_of.get(id(o), o)
+        if isinstance(o, dict): return {**o, 'params': sub(o['params'])} if 'params' in o else o
+        return [sub(x) for x in o]
+    return params if not cast_of else sub(params)

@@ -16,6 +16,7 @@ import errno, shutil
 from .scaler import LossScaler
 from .distributed import fsdp_sharded
 from .fused import step_fused, skips_on_flag
+from .cast import masters_of
 
 # %% auto #0
 __all__ = ['scaler_key', 'OptimizerWithScaler', 'ScalerOptFunc', 'carry_scaler', 'drop_scaler', 'replacing_file']
@@ -65,7 +66,8 @@ class OptimizerWithScaler(GetAttr):
         except BaseException as e: self.interrupted = e # fastai's bare `except:` would swallow a Ctrl-C: `load_checked` raises it
 
 # %% ../nbs/05a_checkpoint.ipynb #9ce26ba7
-def _with_scaler(opt_func, scaler, params, **kwargs): return OptimizerWithScaler(opt_func(params, **kwargs), scaler)
+def _with_scaler(opt_func, scaler, params, **kwargs): # (built inside a forward, it steps the masters, not the forward's casts)
+    return OptimizerWithScaler(opt_func(masters_of(params), **kwargs), scaler)
 
 class ScalerOptFunc(partial):
     "A learner's `opt_func` whose optimizers carry `scaler`; pickled (in `learn.export`), it is the `opt_func` it wraps"
@@ -154,7 +156,12 @@ def export_atomic(self:Learner,
     path = Path(self.path)/fname
     if fsdp_sharded(self.model): return self.export(fname, **kwargs) # every rank gathers; rank 0 writes, as here (`to_sharded`)
     if rank_distrib(): return path
-    with replacing_file(path) as tmp: self.export(Path(fname).with_name(tmp.name), **kwargs) # fastai writes to `self.path/fname`
+    opt,dls = self.opt,self.dls # fastai's `export` empties both while it writes, and gives them back only if it succeeds
+    try:
+        with replacing_file(path) as tmp: self.export(Path(fname).with_name(tmp.name), **kwargs) # fastai writes to `self.path/fname`
+    except BaseException:
+        self.opt,self.dls = opt,dls # a failed export leaves the learner as it was: its optimizer state, its data
+        raise
     return path
 
 # %% ../nbs/05a_checkpoint.ipynb #37d271fd

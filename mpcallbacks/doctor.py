@@ -445,11 +445,13 @@ def _agreed(learn:Learner, kept:tuple) -> tuple:
 
 def auto_fp32(
     learn:Learner, # The learner about to fit
-    cb:MasterMixedPrecision, # Its callback, made with `keep_fp32='auto'`
-) -> None:
-    "Measure the model and keep in FP32 what its 16-bit type would break, once per callback; one warning says what"
-    if not cb.auto or cb.auto_kept is not None: return
-    rep = _report(learn, cb.dtype, cb.keep, cb.loss_scale, cb.scaler.dynamic, auto_batches)
-    cb.auto_kept = _agreed(learn, auto_keep(rep))
-    cb.keep = cb.keep + cb.auto_kept
-    _say_kept(cb.auto_kept, rep, cb.dtype)
+    dtype:torch.dtype, # The 16-bit type it will train in
+    keep:tuple, # What it keeps in FP32 already
+    loss_scale:float, # The scale its scaler starts the fit with
+    dynamic:bool, # Whether that scale moves
+) -> tuple: # `KeptFor` entries: what to keep in FP32 besides `keep`, the same on every rank
+    "Measure the model and name what its 16-bit type would break; one warning says what and why"
+    rep = _report(learn, dtype, keep, loss_scale, dynamic, auto_batches)
+    kept = _agreed(learn, auto_keep(rep))
+    _say_kept(kept, rep, dtype)
+    return kept

@@ -12,7 +12,7 @@ from functools import wraps
 from fastai.basics import * # and no more of fastai: its `callback.progress` would add a progress bar to every learner
 from .cast import check_castable, unmatched_names, cast_summary
 from .callback import MasterMixedPrecision, check_no_fastai_fp16
-from . import checkpoint, doctor
+from . import checkpoint, doctor # (each adds its `Learner` methods: the checkpoint helpers, `precision_report`)
 
 # %% auto #0
 __all__ = []
@@ -116,7 +116,7 @@ def _fit(self, *args, **kwargs):
     mine = _mixed_cbs(self, _fit_signature.bind(self, *args, **kwargs).arguments.get('cbs'))
     if not mine: return _fastai_fit(self, *args, **kwargs)
     for cb in mine:
-        if isinstance(cb, MasterMixedPrecision): doctor.auto_fp32(self, cb) # `keep_fp32='auto'`: measured before the first fit casts
+        if isinstance(cb, MasterMixedPrecision): cb.measure_auto(self) # `keep_fp32='auto'`: measured before the first fit casts
     with ExitStack() as stack:
         for cb in mine: stack.enter_context(cb.running_fit())
         res = _fastai_fit(self, *args, **kwargs)

@@ -26,7 +26,8 @@ class MixedFit:
         learn:Learner, # The learner whose model is cast
         dtype:torch.dtype, # The 16-bit type
         keep:tuple, # Types and name patterns of modules that stay in FP32
-        cast:bool=True, # Cast from the start (a fit, 16-bit inference); else only once training starts
+        cast:bool=True, # Cast from the start (a fit); else only once training starts
+        per_pass:bool=False, # Without `cast`: cast for each validation pass only (16-bit inference), nothing registered outside one
         scaler:LossScaler|None=None, # The loss scaler the steps use; None: no scaling (a scale of 1), the inf/NaN check kept
     ):
         self.learn,self.dtype,self.keep = learn,dtype,keep
@@ -37,6 +38,7 @@ class MixedFit:
         except BaseException: # nothing of a fit that did not start stays behind (an interrupt, an error)
             if self.cast is not None: self.cast.restore()
             raise
+        self.per_pass = per_pass and self.cast is None and not self.sharded # Whether each validation pass casts and uncasts the model
         self.nested = 0 # `before_fit`s dispatched inside this fit (`get_preds` from a callback): their `after_fit` is not the end
         self._outer = [] # whether casting was on when each running validation pass began
 
@@ -62,9 +64,13 @@ class MixedFit:
         "Between batches: forwards run in FP32, and the casts are freed"
         if self.cast is not None: self.cast.end()
         self._outer = []
+        if self.per_pass and self.cast is not None: self.cast,cast = None,self.cast; cast.restore() # (a pass a batch's error cut short)
 
     def begin_validation(self) -> None:
         "A validation pass casts once for all its batches (if this fit casts)"
+        # 16-bit inference casts here, not at `before_fit`: an entry point whose `before_fit` or `before_epoch` raises (a
+        # callback's error; fastai then never dispatches `after_fit`) has registered nothing
+        if self.cast is None and self.per_pass: self.cast = cast_model(self.learn.model, self.dtype, self.keep)
         if self.cast is None: return
         self._outer.append(self.cast.active)
         self.cast.begin()
@@ -74,6 +80,7 @@ class MixedFit:
         if self.cast is None: return
         self.cast.end()
         if self._outer and self._outer.pop(): self.cast.begin()
+        elif self.per_pass and not self._outer: self.cast,cast = None,self.cast; cast.restore() # (and an `after_epoch` that raises cannot keep it)
 
     # The step, as `torch.amp.GradScaler` takes it: scale, unscale and check, step or skip, update.
     def scale(self,
@@ -126,7 +133,16 @@ class MixedFit:
                 "by hand): load a good checkpoint.")
 
     def close(self) -> None:
-        "End the cast: the model runs in FP32, with no hook of ours; the scaler's flags read"
+        "End the cast: the model runs in FP32, with no hook of ours; the scaler's flags read. Idempotent, and a Ctrl-C in the middle finishes it before it is raised"
+        interrupted = None
+        while True:
+            try:
+                self._close_once()
+                break
+            except KeyboardInterrupt as e: interrupted = interrupted or e # cleanup that cannot half-happen: again, then raise
+        if interrupted is not None: raise interrupted
+
+    def _close_once(self) -> None:
         try:
             if self.grads.phase is GradPhase.STEPPING:
                 try: self.update() # a step the optimizer took, whose `after_step` never came
@@ -134,4 +150,4 @@ class MixedFit:
             if self.grads.phase is GradPhase.SCALED: self.grads.skip()
             self.scaler.settle()
         finally:
-            if self.cast is not None: self.cast.restore()
+            if self.cast is not None: self.cast.restore() # (idempotent: the masters in every slot, no hook of ours)

@@ -43,6 +43,14 @@ def assert_at_rest(learn, hooks=None):
     before = hooks if hooks is not None else {n:([], []) for n in now}
     left = {n:h for n,h in now.items() if h != before.get(n, ([], []))}
     assert not left, f"hooks left on {sorted(left)}"
+    from torch.nn.modules import module as tm
+    from mpcallbacks import cast
+    ours = [m for m in learn.model.modules() if id(m) in cast._by_module]
+    assert not ours, f"modules left in mpcallbacks' registry of cast models: {[type(m).__name__ for m in ours][:3]}"
+    if not cast._by_module: # torch's global registries: our hooks go with the last cast model
+        left = [h for d in (tm._global_forward_pre_hooks, tm._global_forward_hooks) for h in d.values()
+                if getattr(h, '__module__', '') == 'mpcallbacks.cast']
+        assert not left, f"mpcallbacks' global hooks left registered: {left}"
     assert learn.lock.acquire(blocking=False), "learn.lock is still held: the next get_preds/validate would hang"
     learn.lock.release()
 

@@ -32,11 +32,12 @@ orders = {'before_ours': MasterMixedPrecision.order - 1, 'after_ours': MasterMix
 cases = [(entry, event) for entry in entry_points for event in ['before_fit', 'before_epoch', 'after_epoch', 'after_fit']
          if (entry, event) != ('tta', 'after_epoch')]
 
+@pytest.mark.parametrize('mixed_inference', [False, True], ids=['fp32_inference', 'mixed_inference'])
 @pytest.mark.parametrize('order', orders)
 @pytest.mark.parametrize('exc', exceptions)
 @pytest.mark.parametrize('entry,event', cases, ids=[f'{a}-{b}' for a, b in cases])
-def test_exception_in_an_inference_entry_point_leaves_learner_intact(entry, event, exc, order):
-    learn = (block_learner() if entry in ('predict', 'tta') else synth_learner()).to_mixed(torch.bfloat16)
+def test_exception_in_an_inference_entry_point_leaves_learner_intact(entry, event, exc, order, mixed_inference):
+    learn = (block_learner() if entry in ('predict', 'tta') else synth_learner()).to_mixed(torch.bfloat16, mixed_inference=mixed_inference)
     learn.fit(1, 1e-2) # an optimizer exists, as after any real training
     hooks = hook_ids(learn.model)
     e = exceptions[exc]()

@@ -336,7 +336,7 @@ def _auto_on_rank(rank, port, out):
         cb = learn.master_mixed_precision
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
-            doctor.auto_fp32(learn, cb)
+            cb.measure_auto(learn)
         torch.save([(k.name, k.why) for k in cb.auto_kept], f'{out}/rank{rank}.pt')
     finally: dist.destroy_process_group()
 

@@ -1,0 +1,74 @@
+"""A fit's lifetime has one owner, `MixedFit`: its close cannot half-happen, and nothing of a fit outlives it, whatever
+fails: an optimizer built inside a forward, an export that fails, a Ctrl-C inside the close itself."""
+import pickle, torch
+import pytest
+from torch import nn
+from fastai.basics import Callback
+from mpcallbacks.all import MasterMixedPrecision
+from mpcallbacks import cast, mixed_fit
+from mpcallbacks.cast import ModelCast
+from mpcallbacks.test_utils import synth_learner, opt_params
+from intact import assert_fp32_and_intact, assert_at_rest, call_lock_free
+
+class CreateOptInForward(Callback):
+    "Build the learner's optimizer from a hook inside the model's forward, once"
+    order = 50
+    def before_fit(self): self.h = self.learn.model[-1].register_forward_pre_hook(self.build)
+    def build(self, m, args):
+        self.h.remove()
+        self.learn.create_opt()
+    def after_fit(self): self.h.remove()
+
+def test_an_optimizer_built_inside_a_forward_steps_the_masters():
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    learn.fit(1, 1e-2, cbs=CreateOptInForward())
+    assert all(p.dtype == torch.float32 for p in opt_params(learn))
+    assert all(a is b for a, b in zip(opt_params(learn), learn.model.parameters()))
+    assert_fp32_and_intact(learn) # the next fit trains every layer, not only BatchNorm
+
+def test_a_failed_export_gives_the_learner_back(tmp_path, monkeypatch):
+    from test_entry_points import block_learner # (exportable data: fastai's data block API)
+    learn = block_learner().to_mixed(torch.bfloat16)
+    learn.path = tmp_path
+    learn.fit(1, 1e-2)
+    opt, n_batches = learn.opt, len(learn.dls.train)
+    def full_disk(*args, **kwargs): raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(torch, 'save', full_disk)
+    with pytest.raises(OSError): learn.export_atomic('model.pkl')
+    monkeypatch.undo()
+    assert learn.opt is opt and len(learn.dls.train) == n_batches # the optimizer with its state, the data
+    assert_fp32_and_intact(learn)
+
+@pytest.mark.parametrize('k', range(1, 5))
+def test_a_ctrl_c_inside_the_close_finishes_it_before_it_is_raised(k, monkeypatch):
+    "A Ctrl-C at the k-th slot write of the cast's restore (the close at the end of the fit): the close completes, then it is raised"
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    put, n = ModelCast._put, [0]
+    def put_interrupted(self, tensors):
+        if tensors is not self.masters or not getattr(self, 'restoring', False) or n[0] >= k: return put(self, tensors)
+        for m, name, i in self.slots: # the slot writes, one by one: the k-th of this close is interrupted
+            n[0] += 1
+            if n[0] == k: raise KeyboardInterrupt
+            m._parameters[name] = tensors[i]
+        return put(self, tensors)
+    restore = ModelCast.restore
+    def restore_marked(self):
+        self.restoring = True
+        try: restore(self)
+        finally: self.restoring = False
+    monkeypatch.setattr(ModelCast, '_put', put_interrupted)
+    monkeypatch.setattr(ModelCast, 'restore', restore_marked)
+    with pytest.raises(KeyboardInterrupt): learn.fit(1, 1e-2)
+    monkeypatch.undo()
+    assert learn.master_mixed_precision.fit_state is None # closed, and dropped only then
+    assert_fp32_and_intact(learn)
+
+def test_a_dropped_learner_frees_its_model():
+    "Nothing of ours keeps a model alive once its learner is gone: the registry of cast models does not outlive a fit"
+    import gc, weakref
+    learn = synth_learner().to_mixed(torch.bfloat16, mixed_inference=True)
+    learn.fit(1, 1e-2); learn.get_preds()
+    model = weakref.ref(learn.model)
+    del learn; gc.collect()
+    assert model() is None
+    assert not cast._by_module
