@@ -1,7 +1,8 @@
-"Shared pieces of the benchmark: device sync and side-by-side timing, batch timers, sync counting, the models, fastai's comparators."
+"Shared pieces of the benchmark: device sync and side-by-side timing, batch timers, sync counting, the models, fastai's comparators, table formatting."
 from __future__ import annotations
-import time, warnings, statistics
+import platform, time, warnings, statistics
 from contextlib import contextmanager
+from pathlib import Path
 import torch
 from torch import nn
 from fastai.basics import Learner, Callback, DataLoaders, CrossEntropyLossFlat
@@ -123,3 +124,19 @@ class NonNativeMixedPrecisionAnyDevice(NonNativeMixedPrecision):
 def to_non_native_fp16_any_device(learn:Learner, **kwargs) -> Learner:
     "`learn.to_non_native_fp16(**kwargs)` with the CUDA assert removed"
     return learn.add_cbs([ModelToHalf(), NonNativeMixedPrecisionAnyDevice(**kwargs)])
+
+# ---- formatting: every section prints markdown tables
+
+def md_table(headers:list, rows:list) -> str:
+    "A markdown table; floats get 3 significant digits"
+    fmt = lambda v: f'{v:.3g}' if isinstance(v, float) else str(v)
+    lines = ['| ' + ' | '.join(headers) + ' |', '|' + '|'.join('---' for _ in headers) + '|']
+    return '\n'.join(lines + ['| ' + ' | '.join(fmt(v) for v in r) + ' |' for r in rows])
+
+def as_ratio(v:float) -> str: return f'{v:.2f}x'
+def as_bpp(v:float) -> str: return f'{v:.2f}' # bytes per parameter
+
+def cpu_name() -> str:
+    "The CPU's model name, as /proc/cpuinfo gives it"
+    if not Path('/proc/cpuinfo').exists(): return platform.processor()
+    return next((l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name')), platform.processor())

@@ -9,7 +9,7 @@ from mpcallbacks.all import * # Learner.to_mixed
 import copy
 from mpcallbacks.cast import always_fp32
 from mpcallbacks.digits import digits_dls, digits_cnn
-from .common import (sync, quiet, batch_timer, median_ms, digits_mlp, linear_norm_stack, synthetic_dls,
+from .common import (md_table, as_ratio, sync, quiet, batch_timer, median_ms, digits_mlp, linear_norm_stack, synthetic_dls,
                      to_non_native_fp16_any_device)
 
 def _dtype_name(dtype) -> str: return str(dtype).split('.')[1]
@@ -118,3 +118,25 @@ def run_bookkeeping_bound_fit(device, rounds:int=16, skip:int=2, bs:int=4, steps
     ms = _side_by_side_fits(runs, rounds, skip)
     return dict(model='Linear+LayerNorm x50 (202 tensors, 13.2M)', bs=bs, steps=steps, skip=skip, rounds=rounds, ms=ms,
                 mixed_vs_nonnative=ms['to_mixed'] / ms['fastai non-native (assert removed)'])
+
+def whole_step_section(rows:list, bound:dict, device) -> str:
+    configs,r0 = list(rows[0]['ms']),rows[0]
+    cols = ['model', 'dtype'] + [f'{c} ms' for c in configs] + [
+        'to_mixed / hand loop', 'FP32 Learner / FP32 hand loop', "callback's own ms (to_mixed - hand) - (FP32 - hand FP32)"]
+    body = [[r['model'], r['dtype']] + [f"{r['ms'][c]:.2f}" for c in configs]
+            + [as_ratio(r['mixed_vs_hand']), as_ratio(r['learner_vs_hand_fp32']), f"{r['callback_own_ms']:+.2f}"] for r in rows]
+    note = ("**fastai AMP (`to_fp16()`/`to_bf16()`) trains FP32 on this CPU**: it uses `autocast('cuda')`, disabled without CUDA.\n\n"
+            if device.type != 'cuda' else '')
+    b_rows = [[k, f'{v:.2f}'] for k,v in bound['ms'].items()] + [['**to_mixed / fastai non-native**', as_ratio(bound['mixed_vs_nonnative'])]]
+    return ('### 2. Whole training step inside `fit` (median ms per training batch, data loading and validation excluded)\n\n'
+            f"Digits, bs 64, Adam (wd=0); {r0['rounds']} rounds of short fits ({r0['steps']} training steps, the first "
+            f"{r0['skip']} not timed), the configs taking turns in a rotating order. "
+            'hand loop = the same math as `to_mixed()` written out (same cast, FP32 loss, scaled backward, `_foreach_copy_` + '
+            'fused unscale/check + one `.item()`, step on the masters, copy back), over the same DataLoader, without a Learner. '
+            "hand loop FP32 = a plain FP32 loop, to show the Learner's own overhead; the last column is what `to_mixed()` "
+            'costs beyond that overhead.\n\n'
+            + note + md_table(cols, body) +
+            f"\n\n#### 2b. Bookkeeping-bound fit: {bound['model']}, bs {bound['bs']}, float16, SGD without momentum\n\n"
+            f"{bound['rounds']} rounds of short fits ({bound['steps']} steps, the first {bound['skip']} not timed), in turn. "
+            'fastai non-native = `ModelToHalf` + `NonNativeMixedPrecision(max_loss_scale=2**16)` with only the CUDA assert removed '
+            '(the same initial scale as ours).\n\n' + md_table(['config', 'ms per training step'], b_rows))

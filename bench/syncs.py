@@ -6,7 +6,7 @@ from fastai.basics import Learner, CrossEntropyLossFlat, SGD
 from mpcallbacks.all import * # Learner.to_mixed
 from mpcallbacks.digits import digits_dls, digits_cnn
 from mpcallbacks.test_utils import count_syncs
-from .common import quiet, linear_norm_stack, synthetic_dls, n_tensors, to_non_native_fp16_any_device
+from .common import md_table, quiet, linear_norm_stack, synthetic_dls, n_tensors, to_non_native_fp16_any_device
 
 def fit_syncs(learn:Learner, epochs:int=1) -> int:
     "Host syncs during `learn.fit(epochs)`"
@@ -34,3 +34,10 @@ def run_syncs(device) -> list:
                              extra=n - fp32, extra_per_step=(n - fp32) / steps,
                              within_budget=n - fp32 <= steps + 2)) # the target: at most one per step, plus two per fit
     return rows
+
+def syncs_section(rows:list) -> str:
+    cols = ['model', 'tensors', 'config', 'train steps', 'syncs per fit', 'extra vs FP32', 'extra per step', '<= steps + 2']
+    body = [[r['model'], r['tensors'], r['config'], r['train_steps'], r['syncs'], r['extra'], f"{r['extra_per_step']:.2f}",
+             'yes' if r['within_budget'] else 'no'] for r in rows]
+    return ('### 4. Host syncs over one whole `fit` (set-up and validation included)\n\n'
+            'Calls of `Tensor.item`, `__bool__`, `__float__`, `__int__`, `tolist`, counted by wrapping them.\n\n' + md_table(cols, body))
