@@ -15,18 +15,8 @@ from functools import partial
 from pathlib import Path
 import torch
 from torch.profiler import profile, ProfilerActivity, record_function
-from fastai.basics import Learner, Callback, CrossEntropyLossFlat, Adam, OptimWrapper, to_float
-from .common import md_table, as_bpp
-
-class DeviceAutocast(Callback):
-    "`torch.autocast` around the forward pass and the loss, as fastai's `MixedPrecision` does, but on the model's device"
-    order = 10
-    def __init__(self, dtype:torch.dtype): self.dtype = dtype
-    def before_batch(self):
-        self.ctx = torch.autocast(self.dls.device.type, dtype=self.dtype)
-        self.ctx.__enter__()
-    def after_pred(self): self.learn.pred = to_float(self.pred)
-    def after_loss(self): self.ctx.__exit__(None, None, None)
+from fastai.basics import Learner, Callback, CrossEntropyLossFlat, Adam, OptimWrapper
+from .common import md_table, as_bpp, DeviceAutocast
 
 def _to_fp16(learn):
     import fastai.callback.fp16 # Learner.to_fp16
@@ -115,14 +105,15 @@ class EarlyMarks(Marks):
     def before_batch(self): self._mark('before_batch')
     def after_backward(self): self._mark('after_backward')
 
-def _at(allocs:list, t:int) -> int:
+def total_at(allocs:list, t:int) -> int:
     "The allocator's total at time `t`"
     import bisect
     i = bisect.bisect_right(allocs, (t, float('inf'))) - 1
     return allocs[i][1] if i >= 0 else 0
 
-def _max_between(allocs:list, t0:int, t1:int) -> int:
-    return max([_at(allocs, t0)] + [b for t,b in allocs if t0 <= t <= t1])
+def max_total_between(allocs:list, t0:int, t1:int) -> int:
+    "The allocator's highest total from time `t0` to `t1`"
+    return max([total_at(allocs, t0)] + [b for t,b in allocs if t0 <= t <= t1])
 
 def measure(mode:str, opt:str, device='cpu', n_batches:int=4, bs:int=4) -> dict:
     "Fit the 202-tensor model with `mode` and `opt` in a profiled region; bytes per parameter from the allocator and from gc"
@@ -153,11 +144,11 @@ def measure(mode:str, opt:str, device='cpu', n_batches:int=4, bs:int=4) -> dict:
     for i in steady:
         t = {k.split(':', 1)[1]:v for k,v in at.items() if k.startswith(f'{i}:')}
         rows.append(dict(
-            between=_at(allocs, t['after_batch']),
-            peak_step=_max_between(allocs, t['after_backward'], t['after_batch']), # backward is over: no activations left
-            peak_batch=_max_between(allocs, t['before_batch'], t['after_batch']), # forward and backward included
-            activations=_at(allocs, t['after_loss']) - _at(allocs, t['before_batch']), # what the forward keeps for backward
-            after_backward=_at(allocs, t['after_backward'])))
+            between=total_at(allocs, t['after_batch']),
+            peak_step=max_total_between(allocs, t['after_backward'], t['after_batch']), # backward is over: no activations left
+            peak_batch=max_total_between(allocs, t['before_batch'], t['after_batch']), # forward and backward included
+            activations=total_at(allocs, t['after_loss']) - total_at(allocs, t['before_batch']), # what the forward keeps for backward
+            after_backward=total_at(allocs, t['after_backward'])))
     gcb = {(i, k):b for i,k,b in marks.gc_bytes + early.gc_bytes}
     last = n_batches - 1
     return dict(mode=mode, opt=opt, available=True, params=n, tensors=tensors,

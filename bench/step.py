@@ -79,12 +79,13 @@ def hand_loop_step_times(make_model, dls, dtype, lr:float, steps:int, opt_func, 
         if len(times) == steps: break
     return times
 
-def _side_by_side_fits(runs:dict, rounds:int, skip:int) -> dict:
+def side_by_side_fits(runs:dict, rounds:int, skip:int, samples:dict|None=None) -> dict:
     "name -> median ms per step over `rounds` short fits of each run, taken in turn; the first `skip` steps of each fit are warm-up"
     # Background load comes in bursts of seconds: many short fits, in an order that rotates, spread it over all runs.
     times,names = {k:[] for k in runs},list(runs)
     for r in range(rounds):
         for k in names[r % len(names):] + names[:r % len(names)]: times[k] += runs[k]()[skip:]
+    if samples is not None: samples.update(times) # name -> the seconds of every timed step, for those who want the spread
     return {k:median_ms(v) for k,v in times.items()}
 
 def run_whole_step(device, rounds:int=8, skip:int=2, steps:int=8, lr:float=1e-3) -> list:
@@ -100,7 +101,7 @@ def run_whole_step(device, rounds:int=8, skip:int=2, steps:int=8, lr:float=1e-3)
                     'hand loop': partial(hand_loop_step_times, make_model, dtype=dtype, **common),
                     'hand loop FP32': partial(hand_loop_step_times, make_model, dtype=None, **common),
                     'fastai AMP': partial(learner_step_times, make_model, config='fastai AMP', dtype=dtype, **common)}
-            ms = _side_by_side_fits(runs, rounds, skip)
+            ms = side_by_side_fits(runs, rounds, skip)
             rows.append(dict(model=mname, dtype=_dtype_name(dtype), steps=steps, skip=skip, rounds=rounds, ms=ms,
                              mixed_vs_hand=ms['to_mixed'] / ms['hand loop'],
                              learner_vs_hand_fp32=ms['FP32'] / ms['hand loop FP32'],
@@ -115,7 +116,7 @@ def run_bookkeeping_bound_fit(device, rounds:int=16, skip:int=2, bs:int=4, steps
     runs = {'FP32': partial(learner_step_times, linear_norm_stack, config='FP32', **common),
             'to_mixed': partial(learner_step_times, linear_norm_stack, config='to_mixed', **common),
             'fastai non-native (assert removed)': partial(learner_step_times, linear_norm_stack, config='fastai non-native', **common)}
-    ms = _side_by_side_fits(runs, rounds, skip)
+    ms = side_by_side_fits(runs, rounds, skip)
     return dict(model='Linear+LayerNorm x50 (202 tensors, 13.2M)', bs=bs, steps=steps, skip=skip, rounds=rounds, ms=ms,
                 mixed_vs_nonnative=ms['to_mixed'] / ms['fastai non-native (assert removed)'])
 
