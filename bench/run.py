@@ -10,10 +10,12 @@ from .bookkeeping import run_bookkeeping, bookkeeping_section
 from .step import run_whole_step, run_bookkeeping_bound_fit, whole_step_section
 from .memory import run_memory, memory_section
 from .sharded import run_sharded_memory, sharded_section
-from .syncs import run_syncs, syncs_section
+from .syncs import run_syncs, syncs_section, run_optimizer_syncs, optimizer_syncs_section
 from .cuda_throughput import run_cuda_throughput, cuda_section
 from .norms import run_norms, norms_section
 from .doctor import run_doctor, doctor_section
+from .speed import run_speed, speed_section
+from .step_peak import run_step_peak, step_peak_section
 from . import plots
 
 results_dir = Path(__file__).resolve().parent / 'results'
@@ -66,7 +68,7 @@ def environment(device, threads:int) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument('--device', default=None, help="'cpu' or 'cuda'; default: cuda if present")
-    ap.add_argument('--threads', type=int, default=1, help='torch threads on a CPU (default 1: see below)')
+    ap.add_argument('--threads', type=int, default=1, help='torch threads on a CPU (default 1: see below; section 8 uses every core)')
     ap.add_argument('--quick', action='store_true', help='fewer repeats: checks that everything runs, numbers are rough')
     args = ap.parse_args()
     device = torch.device(args.device or ('cuda' if torch.cuda.is_available() else 'cpu'))
@@ -99,6 +101,10 @@ def main():
     emit(norms_section(run_norms(device, rounds=3 if args.quick else 7)))
     doctor = run_doctor(device, rounds=3 if args.quick else 7)
     emit(doctor_section(doctor))
+    # Section 8 runs as a user would, on every core (it says how many); the sections above keep one thread
+    emit(speed_section(run_speed(device, rounds=1 if args.quick else 5)))
+    emit(step_peak_section(run_step_peak(device)))
+    emit(optimizer_syncs_section(run_optimizer_syncs(device)))
     tgt = targets(book, step, bound, syncs, doctor)
     emit('### Performance targets\n\n' + md_table(['target', 'measured', 'met'], [[t, m, '-' if ok is None else 'yes' if ok else '**no**'] for t,m,ok in tgt]))
     pngs = [plots.plot_bookkeeping(book, results_dir), plots.plot_whole_step(step, bound, results_dir),
