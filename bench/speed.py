@@ -112,7 +112,7 @@ def spread(secs:list) -> float:
     q1,_,q3 = statistics.quantiles(secs, n=4, method='inclusive')
     return q3 / q1
 
-def time_workload(w:Workload, opts:list, dtypes:list, device, rounds:int) -> tuple: # (ms, spread, failed), each {(opt, config, dtype): ...}
+def time_workload(w:Workload, opts:list, dtypes:list, device, rounds:int) -> tuple: # (ms, spread, failed: {(opt, config, dtype): ...}, load)
     """Every (optimizer, config, dtype) of `w` as a learner of its own, fit `rounds` times for `w.steps` batches, the learners
     taking turns in a rotating order; median ms of the timed batches. A learner whose first fit raises is reported as failed."""
     learners,failed = {},{}
@@ -125,9 +125,14 @@ def time_workload(w:Workload, opts:list, dtypes:list, device, rounds:int) -> tup
                     fit_times(learn, w.skip, device) # untimed: optimizer state, caches; fails early if the config cannot train
                     learners[key] = learn
                 except Exception as e: failed[key] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:160]
-    runs,samples = {k:partial(fit_times, l, w.steps, device) for k,l in learners.items()},{}
+    loads = [] # the machine's 1-minute load average after each fit: how much other work shared the cores
+    def fit_and_load(learn):
+        res = fit_times(learn, w.steps, device)
+        loads.append(os.getloadavg()[0])
+        return res
+    runs,samples = {k:partial(fit_and_load, l) for k,l in learners.items()},{}
     ms = side_by_side_fits(runs, rounds, w.skip, samples)
-    return ms,{k:spread(v) for k,v in samples.items()},failed
+    return ms,{k:spread(v) for k,v in samples.items()},failed,max(loads, default=float('nan'))
 
 def run_speed(device, models=tuple(workloads), opts=tuple(optimizers), rounds:int=5, threads:int|None=None) -> dict:
     "Each workload's configs side by side, with every thread of the machine (restored after)"
@@ -140,9 +145,10 @@ def run_speed(device, models=tuple(workloads), opts=tuple(optimizers), rounds:in
         for m in models:
             w = workloads[m]
             t0 = time.perf_counter()
-            ms,spreads,failed = time_workload(w, list(opts), dtypes, device, rounds)
+            ms,spreads,failed,load = time_workload(w, list(opts), dtypes, device, rounds)
             rows.append(dict(key=m, model=w.name, params_M=n_params(w.make_model()) / 1e6, bs=w.bs, steps=w.steps, skip=w.skip,
-                             ms=ms, spread=spreads, failed=failed, secs=time.perf_counter() - t0))
+                             ms=ms, spread=spreads, failed=failed, load=load,
+                             secs=time.perf_counter() - t0))
         return dict(device=torch.cuda.get_device_name(device) if device.type == 'cuda' else f'CPU: {cpu_name()}',
                     threads=torch.get_num_threads(), native=sorted(_dtype_name(d) for d in native_16bit_dtypes(device)),
                     dtypes=[_dtype_name(d) for d in dtypes], opts=list(opts), rounds=rounds, rows=rows, secs=time.perf_counter() - start)
@@ -179,7 +185,7 @@ def speed_section(r:dict) -> str:
                 a32,f32 = ms_of(row, 'adam', 'FP32', dt)[0],ms_of(row, 'fused', 'FP32', dt)[0]
                 opt_rows.append([row['model'], dt, f'**{ratio(a, f)}**', ratio(a32, f32),
                                  '-' if a is None else f'{a:.1f}', '-' if f is None else f'{f:.1f}'])
-    steps = ', '.join(f"{row['model']} {row['steps']} ({row['skip']} untimed)" for row in r['rows'])
+    steps = ', '.join(f"{row['model']} {row['steps']} ({row['skip']} untimed; load {row['load']:.1f})" for row in r['rows'])
     not_measured = [d for d in ('bfloat16', 'float16') if d not in r['dtypes']]
     native = ', '.join(r['native']) or 'none'
     return ('### 8. Whole training steps at realistic widths (median ms per training batch inside `fit`)\n\n'
@@ -187,7 +193,8 @@ def speed_section(r:dict) -> str:
             + (f" ({', '.join(not_measured)} emulated: not measured)" if not_measured else '') + '. '
             'Synthetic data made in code, `num_workers=0`. Each (config, optimizer, dtype) is a learner of its own, fit again and '
             f"again for a few batches, the learners taking turns in a rotating order, {r['rounds']} fit{'s' if r['rounds'] != 1 else ''} each; the median of the "
-            f'timed batches (data loading and validation excluded). Batches per fit: {steps}. '
+            f'timed batches (data loading and validation excluded). Batches per fit, and the highest 1-minute load average '
+            f"after a fit (this section's own threads make about {r['threads']}; more: other work shared the cores): {steps}. "
             'to_mixed = `learn.to_mixed(dtype)`; autocast = the forward and the loss under `torch.autocast(device, dtype)`, as '
             "fastai's `MixedPrecision` does (with a `GradScaler` for float16); pure 16-bit = "
             '`model.to(dtype)`, the inputs cast, the loss in FP32, the optimizer stepping on the 16-bit parameters. fastai Adam = '
