@@ -100,7 +100,10 @@ dist-check: $(STAMP)
 	$(PY) tools/check_package.py "$$tmp"
 
 # The benchmark against fastai on the device present: prints markdown tables, writes bench/results/ (results.md, PNG plots),
-# and ends with the headline ratios. A few minutes on 2 CPU cores.
+# and ends with the headline ratios. About 15 minutes on 2 CPU cores, half of them section 8's whole training steps at
+# realistic widths, on every core. `$(PY) -m bench.run --quick`: everything, fewer repeats. Sections alone, from the
+# repository root: `$(PY) -m bench.speed` (whole steps at realistic widths; --help: models, optimizers, fits), then
+# `-m bench.step_peak` (their peak memory), `-m bench.syncs`, `-m bench.memory`, `-m bench.sharded`.
 bench: $(STAMP)
 	$(PY) -m bench.run
 

@@ -7,7 +7,7 @@ import copy
 from mpcallbacks.cast import cast_model
 from mpcallbacks.master import MasterParams
 from mpcallbacks.scaler import LossScaler
-from .common import time_side_by_side, median_ms, linear_norm_stack, n_tensors, n_params
+from .common import md_table, as_ratio, time_side_by_side, median_ms, linear_norm_stack, n_tensors, n_params
 
 def bookkeeping_models() -> dict:
     "ResNet-18 (62 tensors, 11.7M parameters) and a model with 202 tensors and 13.2M parameters"
@@ -97,3 +97,20 @@ def run_bookkeeping(device, warmup:int=5, repeats:int=25, dtype=torch.float16) -
             fastai_vs_copy=ms['fastai grad path'] / ms['copy_ 16->32'])) # the most any grad path could gain over fastai's
         del model, fns
     return rows
+
+def bookkeeping_section(rows:list) -> str:
+    variants = list(rows[0]['ms'])
+    cols = ['ms per step (median)'] + [f"{r['model']} ({r['tensors']} tensors, {r['params_M']:.1f}M)" for r in rows]
+    body = [[v] + [f"{r['ms'][v]:.2f}" for r in rows] for v in variants]
+    body += [['**ours grad path / copy_ 16->32**'] + [as_ratio(r['grad_vs_copy']) for r in rows],
+             ['**fastai grad path / ours**'] + [as_ratio(r['fastai_vs_ours']) for r in rows],
+             ['fastai grad path / copy_ 16->32 (the most a grad path could gain)'] + [as_ratio(r['fastai_vs_copy']) for r in rows],
+             ['**ours copy-back / copy_ 32->16**'] + [as_ratio(r['back_vs_copy']) for r in rows],
+             ['ours copy-back / copy_ 16->32'] + [as_ratio(r['back_vs_copy16']) for r in rows]]
+    return ('### 1. Bookkeeping per optimizer step (float16 parameters)\n\n'
+            'ours grad path = `MasterParams.after_backward()` (`LossScaler.unscale_()` on the FP32 gradients autograd wrote into '
+            'the masters, the model\'s own parameters) + one `.item()`; ours copy-back = the cast the next forward makes in its '
+            'place: every master cast to 16 bits (`ModelCast`) and put into the model\'s slots, and the masters put back. '
+            'fastai grad path = `grad_overflow` + `to_master_grads` + per-parameter `div_` (as `NonNativeMixedPrecision.before_step`); '
+            'fastai copy-back = `to_model_params`. copy_ = one flat tensor of the same number of values. '
+            'The `ref:` rows are variants of our grad path, for where its time goes.\n\n' + md_table(cols, body))

@@ -1,10 +1,12 @@
-"Shared pieces of the benchmark: device sync and side-by-side timing, batch timers, sync counting, the models, fastai's comparators."
+"Shared pieces of the benchmark: device sync and side-by-side timing, batch timers, sync counting, the models, fastai's comparators, table formatting."
 from __future__ import annotations
-import time, warnings, statistics
+import platform, time, warnings, statistics
 from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
 import torch
 from torch import nn
-from fastai.basics import Learner, Callback, DataLoaders, CrossEntropyLossFlat
+from fastai.basics import Learner, Callback, DataLoaders, CrossEntropyLossFlat, CancelStepException, to_float, Adam, OptimWrapper
 from fastai.callback.fp16 import NonNativeMixedPrecision, ModelToHalf, get_master
 from fastai.callback.fp16 import _copy_state # the body of `NonNativeMixedPrecision.before_fit` calls it
 
@@ -90,7 +92,7 @@ def digits_mlp(width:int=512, seed:int=0) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
 
 def synthetic_dls(
-    n_in:int=512, # Features per sample
+    n_in:int|tuple=512, # Features per sample, or the shape of a sample
     bs:int=4, # Batch size
     n_train_batches:int=16,
     n_valid_batches:int=1,
@@ -101,7 +103,7 @@ def synthetic_dls(
     "Random features and labels, for models whose cost does not depend on the data"
     g = torch.Generator().manual_seed(seed)
     n = bs * (n_train_batches + n_valid_batches)
-    x,y = torch.randn(n, n_in, generator=g),torch.randint(0, n_out, (n,), generator=g)
+    x,y = torch.randn(n, *((n_in,) if isinstance(n_in, int) else n_in), generator=g),torch.randint(0, n_out, (n,), generator=g)
     ds = list(zip(x, y))
     n_train = bs * n_train_batches
     return DataLoaders.from_dsets(ds[:n_train], ds[n_train:], bs=bs, num_workers=0, device=device)
@@ -123,3 +125,50 @@ class NonNativeMixedPrecisionAnyDevice(NonNativeMixedPrecision):
 def to_non_native_fp16_any_device(learn:Learner, **kwargs) -> Learner:
     "`learn.to_non_native_fp16(**kwargs)` with the CUDA assert removed"
     return learn.add_cbs([ModelToHalf(), NonNativeMixedPrecisionAnyDevice(**kwargs)])
+
+class DeviceAutocast(Callback):
+    "`torch.autocast` around the forward pass and the loss, as fastai's `MixedPrecision` does, but on the model's device"
+    order = 10
+    def __init__(self, dtype:torch.dtype): self.dtype = dtype
+    # float16 with torch's `GradScaler`, as fastai's; bfloat16 has FP32's range and no scaler
+    def before_fit(self): self.scaler = torch.amp.GradScaler(self.dls.device.type) if self.dtype == torch.float16 else None
+    def before_batch(self):
+        self.ctx = torch.autocast(self.dls.device.type, dtype=self.dtype)
+        self.ctx.__enter__()
+    def after_pred(self): self.learn.pred = to_float(self.pred)
+    def after_loss(self): self.ctx.__exit__(None, None, None)
+    def before_backward(self):
+        if self.scaler: self.learn.loss_grad = self.scaler.scale(self.loss_grad)
+    def before_step(self): # as fastai's: the scaler unscales, then steps this stand-in, unless a gradient is inf/NaN
+        if not self.scaler: return
+        self.skipped = True
+        self.scaler.step(self)
+        if self.skipped: raise CancelStepException()
+    def after_step(self):
+        if self.scaler: self.scaler.update()
+    @property
+    def param_groups(self): return self.opt.param_groups # `GradScaler` unscales the optimizer's gradients through these
+    def step(self, *args, **kwargs): self.skipped = False
+
+# ---- the optimizers a user picks: fastai's default, and torch's fused AdamW through fastai's wrapper
+
+adam_optimizers = { # key (for command lines) -> (name, fastai `opt_func`)
+    'adam': ('fastai Adam', Adam), # the Learner's default
+    'fused': ('fused AdamW', partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))),
+}
+
+# ---- formatting: every section prints markdown tables
+
+def md_table(headers:list, rows:list) -> str:
+    "A markdown table; floats get 3 significant digits"
+    fmt = lambda v: f'{v:.3g}' if isinstance(v, float) else str(v)
+    lines = ['| ' + ' | '.join(headers) + ' |', '|' + '|'.join('---' for _ in headers) + '|']
+    return '\n'.join(lines + ['| ' + ' | '.join(fmt(v) for v in r) + ' |' for r in rows])
+
+def as_ratio(v:float) -> str: return f'{v:.2f}x'
+def as_bpp(v:float) -> str: return f'{v:.2f}' # bytes per parameter
+
+def cpu_name() -> str:
+    "The CPU's model name, as /proc/cpuinfo gives it"
+    if not Path('/proc/cpuinfo').exists(): return platform.processor()
+    return next((l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name')), platform.processor())

@@ -5,7 +5,7 @@ import torch, torchvision
 from fastai.basics import Learner, Callback, DataLoader, DataLoaders, CrossEntropyLossFlat
 import fastai.callback.fp16 # to_fp16
 from mpcallbacks.all import * # Learner.to_mixed
-from .common import sync, quiet
+from .common import md_table, sync, quiet
 
 configs = ('FP32', 'fastai to_fp16', 'to_mixed')
 archs = {'ResNet-18': torchvision.models.resnet18, 'ResNet-34': torchvision.models.resnet34}
@@ -88,3 +88,9 @@ def run_cuda_throughput(device, bs:int=64, cap:int=4096) -> list:
             rows.append(dict(arch=arch, config=config, bs=bs, images_per_s=images_per_second(arch, config, bs, device),
                              largest_batch=largest_true(lambda n: fits_in_memory(arch, config, n, device), cap=cap)))
     return rows
+
+def cuda_section(rows:list|None) -> str:
+    if rows is None: return '### 5. CUDA throughput\n\nSkipped: no CUDA device here.'
+    cols = ['arch', 'config', 'bs', 'images/s', 'largest batch']
+    body = [[r['arch'], r['config'], r['bs'], f"{r['images_per_s']:.0f}", r['largest_batch']] for r in rows]
+    return '### 5. CUDA throughput, 224 px synthetic data\n\n' + md_table(cols, body)

@@ -6,7 +6,7 @@ import torch
 from fastai.basics import Learner, CrossEntropyLossFlat, SGD
 from mpcallbacks.all import * # Learner.to_mixed, Learner.precision_report
 from mpcallbacks.test_utils import count_syncs
-from .common import quiet, batch_timer, sync, linear_norm_stack, synthetic_dls, n_params
+from .common import md_table, as_ratio, quiet, batch_timer, sync, linear_norm_stack, synthetic_dls, n_params
 
 def _learner(dtype, n_batches:int, device) -> Learner:
     dls = synthetic_dls(bs=4, n_train_batches=n_batches, device=device)
@@ -38,3 +38,15 @@ def run_doctor(device, rounds:int=7, n_batches:int=4) -> list:
                          rounds=rounds, report_ms=rep_ms, train_ms=train_ms, ratio=rep_ms / train_ms, syncs=sum(counts.values()),
                          syncs_by=dict(counts), flagged=int((rep.verdict != 'fine').sum())))
     return rows
+
+def doctor_section(rows:list) -> str:
+    r0 = rows[0]
+    cols = ['dtype', 'modules measured', 'report ms', f"{r0['batches']} training batches ms", 'report / training', 'host syncs per report', 'flagged']
+    body = [[r['dtype'], r['modules'], f"{r['report_ms']:.1f}", f"{r['train_ms']:.1f}", as_ratio(r['ratio']),
+             f"{r['syncs']} ({', '.join(f'{k} {v}' for k,v in r['syncs_by'].items())})", r['flagged']] for r in rows]
+    return ('### 7. The precision report: its cost against plain mixed training\n\n'
+            f"Linear+LayerNorm x50 ({r0['params_M']:.1f}M parameters), bs 4: `learn.precision_report(n_batches={r0['batches']})` "
+            f"(FP32 forward and backward of each batch, every cast module rerun in 16 bits, the statistics kept on the device) "
+            f"against the training batches of a `to_mixed()` fit of {r0['batches']} batches (their times summed: no data loading, "
+            f"no validation), in turns, {r0['rounds']} timed rounds after one untimed; medians. Host syncs: over one whole "
+            "report, the data loader's draw of its seed included.\n\n" + md_table(cols, body))

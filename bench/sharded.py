@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc, json, os, socket, subprocess, sys, time, warnings
 from pathlib import Path
 import torch, torch.distributed as dist
+from .common import md_table, as_bpp
 
 modes = ('sharded', 'DDP') # `to_mixed(bfloat16)`, with `to_sharded()` or wrapped in DistributedDataParallel
 world_sizes = (1, 2, 4)
@@ -109,6 +110,22 @@ def run_sharded_memory() -> list:
 
 def target(ranks:int) -> float: return 12 / ranks + 1 # bytes/param between steps: FP32 masters and Adam's two moments, sharded, + 1
 
+def sharded_section(rows:list) -> str:
+    "Per-rank bytes per parameter, sharded against DDP, at 1, 2 and 4 ranks"
+    cols = ['ranks', 'mode', 'parameters are', 'between steps', 'peak of the step', 'of which DDP buckets', 'target between steps (12/ranks + 1)', 'met']
+    body = [[r['ranks'], r['mode'], r['param_kinds'], as_bpp(r['between']), as_bpp(r['peak_step']), as_bpp(r['buckets']),
+             as_bpp(target(r['ranks'])) if r['mode'] == 'sharded' else '-',
+             ('yes' if round(r['between'], 2) <= target(r['ranks']) else '**no**') if r['mode'] == 'sharded' else '-'] for r in rows]
+    n = rows[0]['params']
+    return ('### 3b. Sharded (FSDP2) against data-parallel (DDP): per-rank bytes per parameter\n\n'
+            f'`to_mixed(torch.bfloat16)` with fastai\'s Adam on a {n/1e6:.2f}M-parameter Linear+LayerNorm stack (16 blocks of 256), '
+            'sharded with `to_sharded()` or wrapped in `DistributedDataParallel`, on 1, 2 and 4 gloo processes of this CPU. '
+            'Bytes of the storages of every live tensor and gradient (a DTensor: its local shard), the data set left out, plus '
+            "DDP's C++ gradient buckets; divided by the model's parameter count; the largest rank. Between steps: at "
+            '`after_batch`. Peak of the step: the larger of the end of the backward and the end of the optimizer step (the '
+            'gradients not yet freed). Transient buffers (activations, gathered 16-bit parameters, reduce buffers) are not '
+            'counted.\n\n' + md_table(cols, body))
+
 if __name__ == '__main__':
     torch.set_num_threads(1)
     if len(sys.argv) == 2 and 'RANK' in os.environ: # one rank of `_launch`
@@ -117,5 +134,4 @@ if __name__ == '__main__':
         try: print(json.dumps(measure(sys.argv[1])))
         finally: dist.destroy_process_group()
     else: # `python -m bench.sharded`: this section alone, printed
-        from .run import sharded_section
         print(sharded_section(run_sharded_memory()))

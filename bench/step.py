@@ -9,7 +9,7 @@ from mpcallbacks.all import * # Learner.to_mixed
 import copy
 from mpcallbacks.cast import always_fp32
 from mpcallbacks.digits import digits_dls, digits_cnn
-from .common import (sync, quiet, batch_timer, median_ms, digits_mlp, linear_norm_stack, synthetic_dls,
+from .common import (md_table, as_ratio, sync, quiet, batch_timer, median_ms, digits_mlp, linear_norm_stack, synthetic_dls,
                      to_non_native_fp16_any_device)
 
 def _dtype_name(dtype) -> str: return str(dtype).split('.')[1]
@@ -79,12 +79,13 @@ def hand_loop_step_times(make_model, dls, dtype, lr:float, steps:int, opt_func, 
         if len(times) == steps: break
     return times
 
-def _side_by_side_fits(runs:dict, rounds:int, skip:int) -> dict:
+def side_by_side_fits(runs:dict, rounds:int, skip:int, samples:dict|None=None) -> dict:
     "name -> median ms per step over `rounds` short fits of each run, taken in turn; the first `skip` steps of each fit are warm-up"
     # Background load comes in bursts of seconds: many short fits, in an order that rotates, spread it over all runs.
     times,names = {k:[] for k in runs},list(runs)
     for r in range(rounds):
         for k in names[r % len(names):] + names[:r % len(names)]: times[k] += runs[k]()[skip:]
+    if samples is not None: samples.update(times) # name -> the seconds of every timed step, for those who want the spread
     return {k:median_ms(v) for k,v in times.items()}
 
 def run_whole_step(device, rounds:int=8, skip:int=2, steps:int=8, lr:float=1e-3) -> list:
@@ -100,7 +101,7 @@ def run_whole_step(device, rounds:int=8, skip:int=2, steps:int=8, lr:float=1e-3)
                     'hand loop': partial(hand_loop_step_times, make_model, dtype=dtype, **common),
                     'hand loop FP32': partial(hand_loop_step_times, make_model, dtype=None, **common),
                     'fastai AMP': partial(learner_step_times, make_model, config='fastai AMP', dtype=dtype, **common)}
-            ms = _side_by_side_fits(runs, rounds, skip)
+            ms = side_by_side_fits(runs, rounds, skip)
             rows.append(dict(model=mname, dtype=_dtype_name(dtype), steps=steps, skip=skip, rounds=rounds, ms=ms,
                              mixed_vs_hand=ms['to_mixed'] / ms['hand loop'],
                              learner_vs_hand_fp32=ms['FP32'] / ms['hand loop FP32'],
@@ -115,6 +116,28 @@ def run_bookkeeping_bound_fit(device, rounds:int=16, skip:int=2, bs:int=4, steps
     runs = {'FP32': partial(learner_step_times, linear_norm_stack, config='FP32', **common),
             'to_mixed': partial(learner_step_times, linear_norm_stack, config='to_mixed', **common),
             'fastai non-native (assert removed)': partial(learner_step_times, linear_norm_stack, config='fastai non-native', **common)}
-    ms = _side_by_side_fits(runs, rounds, skip)
+    ms = side_by_side_fits(runs, rounds, skip)
     return dict(model='Linear+LayerNorm x50 (202 tensors, 13.2M)', bs=bs, steps=steps, skip=skip, rounds=rounds, ms=ms,
                 mixed_vs_nonnative=ms['to_mixed'] / ms['fastai non-native (assert removed)'])
+
+def whole_step_section(rows:list, bound:dict, device) -> str:
+    configs,r0 = list(rows[0]['ms']),rows[0]
+    cols = ['model', 'dtype'] + [f'{c} ms' for c in configs] + [
+        'to_mixed / hand loop', 'FP32 Learner / FP32 hand loop', "callback's own ms (to_mixed - hand) - (FP32 - hand FP32)"]
+    body = [[r['model'], r['dtype']] + [f"{r['ms'][c]:.2f}" for c in configs]
+            + [as_ratio(r['mixed_vs_hand']), as_ratio(r['learner_vs_hand_fp32']), f"{r['callback_own_ms']:+.2f}"] for r in rows]
+    note = ("**fastai AMP (`to_fp16()`/`to_bf16()`) trains FP32 on this CPU**: it uses `autocast('cuda')`, disabled without CUDA.\n\n"
+            if device.type != 'cuda' else '')
+    b_rows = [[k, f'{v:.2f}'] for k,v in bound['ms'].items()] + [['**to_mixed / fastai non-native**', as_ratio(bound['mixed_vs_nonnative'])]]
+    return ('### 2. Whole training step inside `fit` (median ms per training batch, data loading and validation excluded)\n\n'
+            f"Digits, bs 64, Adam (wd=0); {r0['rounds']} rounds of short fits ({r0['steps']} training steps, the first "
+            f"{r0['skip']} not timed), the configs taking turns in a rotating order. "
+            'hand loop = the same math as `to_mixed()` written out (same cast, FP32 loss, scaled backward, `_foreach_copy_` + '
+            'fused unscale/check + one `.item()`, step on the masters, copy back), over the same DataLoader, without a Learner. '
+            "hand loop FP32 = a plain FP32 loop, to show the Learner's own overhead; the last column is what `to_mixed()` "
+            'costs beyond that overhead.\n\n'
+            + note + md_table(cols, body) +
+            f"\n\n#### 2b. Bookkeeping-bound fit: {bound['model']}, bs {bound['bs']}, float16, SGD without momentum\n\n"
+            f"{bound['rounds']} rounds of short fits ({bound['steps']} steps, the first {bound['skip']} not timed), in turn. "
+            'fastai non-native = `ModelToHalf` + `NonNativeMixedPrecision(max_loss_scale=2**16)` with only the CUDA assert removed '
+            '(the same initial scale as ours).\n\n' + md_table(['config', 'ms per training step'], b_rows))
