@@ -7,14 +7,13 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/mixed_fit.html.md"""
 # %% ../nbs/03a_mixed_fit.ipynb #64a94fc7
 from __future__ import annotations
 import torch
+from torch import Tensor
 from fastai.basics import Learner
+from fastai.callback.core import CancelStepException
 from .cast import cast_model
 from .master import MasterParams, GradPhase, local_tensor
 from .distributed import RankAgreement, fsdp_sharded
 from .scaler import LossScaler, NonFiniteGradients
-
-from fastai.callback.core import CancelStepException
-from torch import Tensor
 
 # %% auto #0
 __all__ = ['MixedFit']
