@@ -63,11 +63,14 @@ def test_a_ctrl_c_inside_the_close_finishes_it_before_it_is_raised(k, monkeypatc
     assert learn.master_mixed_precision.fit_state is None # closed, and dropped only then
     assert_fp32_and_intact(learn)
 
-def test_a_dropped_learner_frees_its_model():
-    "Nothing of ours keeps a model alive once its learner is gone: the registry of cast models does not outlive a fit"
+def test_a_learner_dropped_after_a_failed_inference_call_frees_its_model():
+    "A `get_preds` whose `before_epoch` raises (fastai then never dispatches `after_fit`) leaves nothing that keeps the model alive"
     import gc, weakref
+    from intact import RaiseOnce
     learn = synth_learner().to_mixed(torch.bfloat16, mixed_inference=True)
-    learn.fit(1, 1e-2); learn.get_preds()
+    learn.fit(1, 1e-2)
+    learn.add_cb(RaiseOnce('before_epoch', RuntimeError('boom'), order=MasterMixedPrecision.order + 1))
+    with pytest.raises(RuntimeError): call_lock_free(learn.get_preds)
     model = weakref.ref(learn.model)
     del learn; gc.collect()
     assert model() is None
