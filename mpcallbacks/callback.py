@@ -15,7 +15,20 @@ from .master import GradPhase
 from .mixed_fit import MixedFit
 
 # %% auto #0
-__all__ = ['MasterMixedPrecision', 'check_no_fastai_fp16']
+__all__ = ['check_no_fastai_fp16', 'MasterMixedPrecision']
+
+# %% ../nbs/03_callback.ipynb #3be30b8c
+def _fastai_mixed_precision(learn) -> list:
+    "fastai's mixed-precision callbacks on `learn`, if `fastai.callback.fp16` is loaded (a learner can only hold them if it is)"
+    fp16 = sys.modules.get('fastai.callback.fp16')
+    return [cb for cb in learn.cbs if fp16 and isinstance(cb, (fp16.MixedPrecision, fp16.NonNativeMixedPrecision, fp16.ModelToHalf))]
+
+def check_no_fastai_fp16(learn) -> None:
+    "Refuse fastai's own mixed precision next to ours: both would cast the model and scale the loss"
+    if _fastai_mixed_precision(learn):
+        raise ValueError("`to_mixed()` cannot be combined with fastai's `to_fp16()`/`to_bf16()`/`to_non_native_fp16()`: "
+                         "both cast the model and scale the loss. Keep one: `learn.remove_cb(MixedPrecision)` removes fastai's, "
+                         "`learn.to_unmixed()` ours, and `learn.to_fp32()` both.")
 
 # %% ../nbs/03_callback.ipynb #1fb00519
 _step_events = ('before_step', 'after_step', 'after_cancel_step') # where a step the optimizer took is settled already
@@ -196,19 +209,6 @@ class MasterMixedPrecision(Callback):
         ax.set_yscale('log', base=2)
         ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
         return ax
-
-# %% ../nbs/03_callback.ipynb #3be30b8c
-def _fastai_mixed_precision(learn) -> list:
-    "fastai's mixed-precision callbacks on `learn`, if `fastai.callback.fp16` is loaded (a learner can only hold them if it is)"
-    fp16 = sys.modules.get('fastai.callback.fp16')
-    return [cb for cb in learn.cbs if fp16 and isinstance(cb, (fp16.MixedPrecision, fp16.NonNativeMixedPrecision, fp16.ModelToHalf))]
-
-def check_no_fastai_fp16(learn) -> None:
-    "Refuse fastai's own mixed precision next to ours: both would cast the model and scale the loss"
-    if _fastai_mixed_precision(learn):
-        raise ValueError("`to_mixed()` cannot be combined with fastai's `to_fp16()`/`to_bf16()`/`to_non_native_fp16()`: "
-                         "both cast the model and scale the loss. Keep one: `learn.remove_cb(MixedPrecision)` removes fastai's, "
-                         "`learn.to_unmixed()` ours, and `learn.to_fp32()` both.")
 
 # %% ../nbs/03_callback.ipynb #096d2dbe
 @contextmanager
