@@ -78,7 +78,7 @@ class CancelEveryOtherStep(Callback):
     def before_fit(self): self.n = 0
     def before_step(self):
         self.n += 1
-        if self.n % 2: raise CancelStepException()
+        if self.n % 2 == 0: raise CancelStepException() # (the last step too: nothing after it would clear a guard left behind)
 
 def test_a_step_another_callback_cancels_leaves_the_optimizer_unguarded():
     learn = synth_learner(opt_func=fused_adamw).to_mixed(torch.float16)
