@@ -13,6 +13,7 @@ from torch import nn, Tensor
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.module import register_module_forward_pre_hook, register_module_forward_hook
 import copy, glob, re, sys, warnings
+from torch.autograd import Variable
 from torch.nn.utils.rnn import PackedSequence
 from torch.nn.utils import parametrizations
 from torch.nn.utils.parametrize import ParametrizationList
@@ -139,6 +140,11 @@ def _cast_plan(model, keep) -> tuple:
 # %% ../nbs/00_cast.ipynb #4d456317
 def _checked_plan(model, keep) -> tuple:
     "`_cast_plan(model, keep)`, once `model` passed every check of `check_castable`"
+    scripted = [n for n,m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+    if scripted: raise ValueError(f"{f'`{scripted[0]}`' if scripted[0] else 'The model'} is TorchScript (`torch.jit.script` or "
+                                  "`torch.jit.trace`): scripted code runs no Python hooks, so its layers cannot be cast for the "
+                                  "forward. Train the Python model with `to_mixed()` and script it after training "
+                                  "(`torch.jit.script(learn.model)`), or compile it with `torch.compile` (torch 2.14 or newer), which runs them.")
     # (the mixin, not `UninitializedParameter`: torch 2.4's Parameter metaclass calls any Parameter-wrapped subclass one)
     lazy = [n for n,p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedTensorMixin)]
     if lazy: raise ValueError(f"Parameter `{lazy[0]}` is not initialized yet (a lazy module, {len(lazy)} such in all): its "
@@ -265,6 +271,12 @@ def _roles(model, kept_tops, slots) -> dict:
 # %% ../nbs/00_cast.ipynb #5525acbe
 _large_cast = 2**16 # Elements of a master from which its cast is an autograd node of its own (256 KiB in FP32)
 
+def _needing_grad(x) -> list:
+    "The tensors in `x` (a tensor, or a tuple, list or dict of them, nested) that a backward can reach"
+    if isinstance(x, Tensor): return [x] if x.requires_grad else []
+    if isinstance(x, dict): x = list(x.values())
+    return [t for o in x for t in _needing_grad(o)] if isinstance(x, (list, tuple)) else []
+
 class ModelCast:
     "A model whose forward runs on 16-bit casts of its FP32 parameters while casting is on; the parameters stay the masters"
     def __init__(self,
@@ -289,6 +301,10 @@ class ModelCast:
         self.active = False # Whether forwards cast (the owner's setting)
         self.depth = 0 # How many calls of the model's modules are running, while casting
         self._casts = None # (the masters' versions, whether made with autograd, one cast per master), until `drop_casts`
+        self._held = None # The casts a running backward holds in the slots (one per master), or None
+        self._swapped = None # `(module, slot name, tensor)` of each slot that held another tensor than its master when the outermost call began
+        self._autocast = None # The outermost call's `torch.autocast`, while one runs
+        self._kept_autocast = [] # Whether autocast was on when each running call of a kept FP32 module began
 
     def __repr__(self): return f"{type(self).__name__}({len(self.masters)} masters to {self.dtype}, active={self.active})"
 
@@ -304,6 +320,7 @@ class ModelCast:
     def end(self) -> None:
         "Forwards run in FP32 again, and the casts are freed"
         self.active = False
+        self._release() # (a backward that raised never ran its end)
         self.drop_casts()
 
     def drop_casts(self) -> None:
@@ -329,26 +346,80 @@ class ModelCast:
         for m,n,i in self.slots: m._parameters[n] = tensors[i]
         for m in self.rnns: m._init_flat_weights() # RNNs cache a list of their weights, which `_parameters` leaves stale
 
-    def _pre(self, m:nn.Module, args:tuple):
+    def _put_casts(self) -> None:
+        "Put the casts into every slot; a slot that holds another tensor than its master (`torch.func.functional_call` put it there) gets that tensor's cast, and gets it back at the end"
+        casts,masters,held,swapped = self._cast_all(),self.masters,self._held,[]
+        for m,n,i in self.slots:
+            t = m._parameters[n]
+            if t is masters[i] or (held is not None and t is held[i]): m._parameters[n] = casts[i]
+            else:
+                swapped.append((m, n, t))
+                m._parameters[n] = t.to(self.dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+        for m in self.rnns: m._init_flat_weights() # RNNs cache a list of their weights, which `_parameters` leaves stale
+        self._swapped = swapped
+
+    def _put_back(self) -> None:
+        "Put back what the slots held before the outermost call: the masters (the casts, in a backward), or what `functional_call` put there"
+        self._put(self.masters if self._held is None else self._held)
+        if self._swapped:
+            for m,n,t in self._swapped: m._parameters[n] = t
+            for m in self.rnns: m._init_flat_weights()
+        self._swapped = None
+
+    def _hold_for_backward(self, out) -> None:
+        "A backward through `out` finds the casts in the slots: a recompute of `torch.utils.checkpoint` reads what the forward read"
+        if not torch.is_grad_enabled() or self._casts is None or torch.compiler.is_compiling(): return
+        casts = self._casts[2]
+        def hold(grad):
+            if self.depth or self._held is not None or not self.active: return None # (inside a forward, the casts are in)
+            self._held = casts
+            self._put(casts)
+            Variable._execution_engine.queue_callback(self._release) # (run by the engine when this backward ends)
+        for t in _needing_grad(out): t.register_hook(hold)
+
+    def _release(self) -> None:
+        "The backward is over: the masters go back"
+        if self._held is None: return
+        self._held = None
+        if self.depth == 0: self._put(self.masters)
+
+    def _pre(self, m:nn.Module, args:tuple, kwargs:dict|None=None):
         if not self.active: return None
         if self.depth == 0:
             if id(m) in self.parametrizations: return None # a weight read outside a forward computes from the masters
-            self._put(self._cast_all())
+            self._put_casts()
+            self._autocast = torch.autocast(self.device.type, self.dtype) # (the safety net: see below)
+            self._autocast.__enter__()
         self.depth += 1
         role = self.roles[id(m)]
         if role is CastRole.PLAIN: return None
-        dtype = self.dtype if role is CastRole.CAST_INPUT else torch.float32
+        if role is CastRole.CAST_INPUT: dtype = self.dtype
+        else: # a kept module computes in FP32: autocast off inside it
+            dtype = torch.float32
+            dev = self._autocast.device if self._autocast is not None else self.device.type
+            self._kept_autocast.append(torch.is_autocast_enabled(dev))
+            torch.set_autocast_enabled(dev, False)
+        if kwargs: return cast_floats(args, dtype),cast_floats(kwargs, dtype) # (an LSTM's `hx=`)
         # (the common call, one tensor already of the right type, costs no rebuilt tuple)
         if len(args) == 1 and isinstance(args[0], Tensor) and args[0].dtype is dtype: return None
-        return cast_floats(args, dtype)
+        return cast_floats(args, dtype) if kwargs is None else (cast_floats(args, dtype), kwargs)
 
     def _post(self, m:nn.Module, out):
         if self.depth == 0: return None # a call that did not cast (casting was off)
         self.depth -= 1
+        role = self.roles[id(m)]
+        if role is CastRole.FP32_INPUT or role is CastRole.FP32_NORM:
+            if self._kept_autocast and self._autocast is not None: torch.set_autocast_enabled(self._autocast.device, self._kept_autocast.pop())
         if self.depth == 0:
-            self._put(self.masters)
+            self._exit_autocast()
+            self._put_back()
+            self._hold_for_backward(out)
             _note_dtype_clash(sys.exc_info()[1])
-        return cast_floats(out, self.dtype) if self.roles[id(m)] is CastRole.FP32_NORM else None
+        return cast_floats(out, self.dtype) if role is CastRole.FP32_NORM else None
+
+    def _exit_autocast(self) -> None:
+        ac,self._autocast,self._kept_autocast = self._autocast,None,[]
+        if ac is not None: ac.__exit__(None, None, None)
 
     def _register(self) -> None:
         taken = [m for m in self.modules if id(m) in _by_module]
@@ -360,9 +431,14 @@ class ModelCast:
         # neither casts nor needs its inputs cast, and its hook calls return at once
         _by_module.update({id(m):self for m in self.modules if self.roles[id(m)] is not CastRole.PLAIN
                            or next(m.parameters(), None) is not None})
+        # torch's global pre-hook takes keyword arguments at the modules whose `_forward_pre_hooks_with_kwargs` names it:
+        # a module with a role gets them cast as its positional ones (an LSTM's `hx=`)
+        for m in self.modules:
+            if self.roles[id(m)] is not CastRole.PLAIN: m._forward_pre_hooks_with_kwargs[_global_hooks[0].id] = True
 
     def _unregister(self) -> None:
         for m in self.modules:
+            if _global_hooks: m._forward_pre_hooks_with_kwargs.pop(_global_hooks[0].id, None)
             if _by_module.get(id(m)) is self: del _by_module[id(m)]
         if not _by_module:
             for h in _global_hooks: h.remove()
@@ -370,7 +446,8 @@ class ModelCast:
 
     def restore(self) -> None:
         "Masters in every slot for good, no hook of ours, and no 16-bit tensor a forward left in the model's attributes"
-        self.active,self.depth = False,0
+        self.active,self.depth,self._held,self._swapped = False,0,None,None
+        self._exit_autocast() # (a forward a `KeyboardInterrupt` cut short left it on)
         self._put(self.masters)
         self._unregister()
         self.drop_casts()
@@ -399,10 +476,11 @@ class _CastAll(torch.autograd.Function):
 _16bit_names = re.compile(r'BFloat16|Half|bfloat16|float16')
 _fp32_names = re.compile(r'\b[Ff]loat\b|float32')
 _clash_note = ("to_mixed: an FP32 tensor met a 16-bit one in the forward. Each module with 16-bit weights has its "
-    "positional inputs cast, but a tensor made inside a `forward` (torch.zeros, torch.linspace, `.float()`, an FP32 "
-    "buffer) or passed as a keyword argument, and combined with a 16-bit weight or activation in an op that does not "
-    "promote (a matmul, an indexed write), is used as made: make it with the dtype of what it meets (`.to(x.dtype)`, "
-    "`dtype=self.weight.dtype`), or keep the module whose forward does this in FP32 with `to_mixed(keep_fp32=['its name'])`.")
+    "inputs cast, and matmuls and convolutions cast what they meet as `torch.autocast` does, but a tensor made inside a "
+    "`forward` (torch.zeros, `.float()`, an FP32 buffer) and combined with a 16-bit one in an op that neither promotes "
+    "nor is autocast's (an indexed write such as `index_add_`, `scatter_`) is used as made: make it with the dtype of "
+    "what it meets (`.to(x.dtype)`, `dtype=self.weight.dtype`), or keep the module whose forward does this in FP32 with "
+    "`to_mixed(keep_fp32=['its name'])`.")
 
 def _note_dtype_clash(e) -> None:
     "Say, on torch's dtype-mismatch error from a 16-bit forward, what causes it and what to do (from Python 3.11)"
@@ -414,9 +492,9 @@ def _note_dtype_clash(e) -> None:
 _by_module = {} # id(module) -> the `ModelCast` of the model that holds it, while cast
 _global_hooks = [] # handles of the two global hooks, while `_by_module` is not empty
 
-def _pre_hook(m, args):
+def _pre_hook(m, args, kwargs=None):
     mc = _by_module.get(id(m))
-    return None if mc is None else mc._pre(m, args)
+    return None if mc is None else mc._pre(m, args, kwargs)
 
 def _post_hook(m, args, out):
     mc = _by_module.get(id(m))

@@ -8,11 +8,7 @@ torch.set_num_threads(1) # tiny ops: one thread is faster and results do not dep
 
 # Known limits: reproductions of what does not work yet, expected to fail (documented under "Limits" in
 # nbs/14_supported.ipynb). `strict`: once it works, each fails as XPASS, so its entry here goes with the change.
-known_defects = {
-    'test_tensors_made_in_forward.py::test_fp32_tensors_made_in_forward_train_as_in_fp32[PositionsTimesOwnWeight]':
-        "limit: an FP32 tensor a module makes in its own forward and multiplies by its own 16-bit weight (the error "
-        "says what to do: test_a_dtype_clash_in_forward_says_what_to_do)",
-}
+known_defects = {}
 
 def pytest_collection_modifyitems(items):
     for item in items:
