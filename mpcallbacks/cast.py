@@ -303,8 +303,8 @@ class ModelCast:
         self._casts = None # (the masters' versions, whether made with autograd, one cast per master), until `drop_casts`
         self._held = None # The casts a running backward holds in the slots (one per master), or None
         self._swapped = None # `(module, slot name, tensor)` of each slot that held another tensor than its master when the outermost call began
-        self._autocast = None # The outermost call's `torch.autocast`, while one runs
-        self._kept_autocast = [] # Whether autocast was on when each running call of a kept FP32 module began
+        self._autocast = None # While an outermost call runs: autocast's state before it (enabled, dtype, cache enabled)
+        self._device_type = self.device.type # Where it runs: 'cpu', 'cuda'
 
     def __repr__(self): return f"{type(self).__name__}({len(self.masters)} masters to {self.dtype}, active={self.active})"
 
@@ -388,17 +388,14 @@ class ModelCast:
         if self.depth == 0:
             if id(m) in self.parametrizations: return None # a weight read outside a forward computes from the masters
             self._put_casts()
-            self._autocast = torch.autocast(self.device.type, self.dtype) # (the safety net: see below)
-            self._autocast.__enter__()
+            self._enter_autocast()
         self.depth += 1
         role = self.roles[id(m)]
         if role is CastRole.PLAIN: return None
         if role is CastRole.CAST_INPUT: dtype = self.dtype
-        else: # a kept module computes in FP32: autocast off inside it
+        else: # a kept module computes in FP32: autocast off inside it (kept modules do not nest: each is outermost kept)
             dtype = torch.float32
-            dev = self._autocast.device if self._autocast is not None else self.device.type
-            self._kept_autocast.append(torch.is_autocast_enabled(dev))
-            torch.set_autocast_enabled(dev, False)
+            torch.set_autocast_enabled(self._device_type, False)
         if kwargs: return cast_floats(args, dtype),cast_floats(kwargs, dtype) # (an LSTM's `hx=`)
         # (the common call, one tensor already of the right type, costs no rebuilt tuple)
         if len(args) == 1 and isinstance(args[0], Tensor) and args[0].dtype is dtype: return None
@@ -409,7 +406,7 @@ class ModelCast:
         self.depth -= 1
         role = self.roles[id(m)]
         if role is CastRole.FP32_INPUT or role is CastRole.FP32_NORM:
-            if self._kept_autocast and self._autocast is not None: torch.set_autocast_enabled(self._autocast.device, self._kept_autocast.pop())
+            torch.set_autocast_enabled(self._device_type, True)
         if self.depth == 0:
             self._exit_autocast()
             self._put_back()
@@ -417,9 +414,23 @@ class ModelCast:
             _note_dtype_clash(sys.exc_info()[1])
         return cast_floats(out, self.dtype) if role is CastRole.FP32_NORM else None
 
+    def _enter_autocast(self) -> None:
+        "The outermost call runs under autocast to the 16-bit type, with no cache (our casts are made already; a leaf's cast would outlive its next step)"
+        # (torch's setters rather than a `torch.autocast` entered here and left in the post-hook: dynamo traces them in a
+        # compiled model's hooks, where it breaks the graph on the context manager)
+        dev = self._device_type = self.device.type
+        self._autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev), torch.is_autocast_cache_enabled())
+        torch.set_autocast_enabled(dev, True)
+        torch.set_autocast_dtype(dev, self.dtype)
+        torch.set_autocast_cache_enabled(False)
+
     def _exit_autocast(self) -> None:
-        ac,self._autocast,self._kept_autocast = self._autocast,None,[]
-        if ac is not None: ac.__exit__(None, None, None)
+        "Autocast as it was before the outermost call"
+        outer,self._autocast = self._autocast,None
+        if outer is None: return
+        torch.set_autocast_enabled(self._device_type, outer[0])
+        torch.set_autocast_dtype(self._device_type, outer[1])
+        torch.set_autocast_cache_enabled(outer[2])
 
     def _register(self) -> None:
         taken = [m for m in self.modules if id(m) in _by_module]
