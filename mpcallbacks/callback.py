@@ -173,7 +173,7 @@ class MasterMixedPrecision(Callback):
         self.fit_state.cancel_step()
 
     def after_batch(self):
-        "Between batches the model runs in FP32"
+        "Casting off: forwards from here to the next batch run in FP32 (a callback of lower order got 16 bits at its `after_batch`)"
         if self.training: self.fit_state.end_batch()
 
     def after_train(self):
