@@ -249,6 +249,7 @@ class CastRole(Enum):
     "What the hooks do at a module of a cast model, besides casting the weights for the outermost call"
     PLAIN = 'nothing more'
     CAST_INPUT = 'owns cast parameters: its floating-point inputs become 16-bit'
+    PARAMETRIZED = "a parametrization's cast original: computes the weight from it with autocast off, as written"
     FP32_INPUT = 'kept in FP32 by the user: FP32 inputs, FP32 output'
     FP32_NORM = 'a normalization whose kernel needs FP32 input: FP32 inputs, 16-bit output'
 
@@ -264,7 +265,7 @@ def kept_role(
 def _roles(model, kept_tops, slots) -> dict:
     "`id(module) -> CastRole` for every module of `model`"
     res = {id(m):CastRole.PLAIN for m in model.modules()}
-    res.update({id(m):CastRole.CAST_INPUT for _,m,_,_ in slots})
+    res.update({id(m):CastRole.PARAMETRIZED if isinstance(m, ParametrizationList) else CastRole.CAST_INPUT for _,m,_,_ in slots})
     res.update({id(m):kept_role(m) for m in kept_tops})
     return res
 
@@ -393,8 +394,8 @@ class ModelCast:
         role = self.roles[id(m)]
         if role is CastRole.PLAIN: return None
         if role is CastRole.CAST_INPUT: dtype = self.dtype
-        else: # a kept module computes in FP32: autocast off inside it (kept modules do not nest: each is outermost kept)
-            dtype = torch.float32
+        else: # a kept module computes in FP32, a parametrization as written: autocast off inside (neither nests in another)
+            dtype = self.dtype if role is CastRole.PARAMETRIZED else torch.float32
             torch.set_autocast_enabled(self._device_type, False)
         if kwargs: return cast_floats(args, dtype),cast_floats(kwargs, dtype) # (an LSTM's `hx=`)
         # (the common call, one tensor already of the right type, costs no rebuilt tuple)
@@ -405,8 +406,7 @@ class ModelCast:
         if self.depth == 0: return None # a call that did not cast (casting was off)
         self.depth -= 1
         role = self.roles[id(m)]
-        if role is CastRole.FP32_INPUT or role is CastRole.FP32_NORM:
-            torch.set_autocast_enabled(self._device_type, True)
+        if role is not CastRole.PLAIN and role is not CastRole.CAST_INPUT: torch.set_autocast_enabled(self._device_type, True)
         if self.depth == 0:
             self._exit_autocast()
             self._put_back()
@@ -489,7 +489,8 @@ _fp32_names = re.compile(r'\b[Ff]loat\b|float32')
 _clash_note = ("to_mixed: an FP32 tensor met a 16-bit one in the forward. Each module with 16-bit weights has its "
     "inputs cast, and matmuls and convolutions cast what they meet as `torch.autocast` does, but a tensor made inside a "
     "`forward` (torch.zeros, `.float()`, an FP32 buffer) and combined with a 16-bit one in an op that neither promotes "
-    "nor is autocast's (an indexed write such as `index_add_`, `scatter_`) is used as made: make it with the dtype of "
+    "nor is autocast's (an indexed write such as `index_add_`, `scatter_`; any op inside a parametrization, which computes "
+    "its weight with autocast off, as written) is used as made: make it with the dtype of "
     "what it meets (`.to(x.dtype)`, `dtype=self.weight.dtype`), or keep the module whose forward does this in FP32 with "
     "`to_mixed(keep_fp32=['its name'])`.")
 
