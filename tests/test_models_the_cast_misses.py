@@ -187,3 +187,26 @@ def test_a_forward_at_after_batch_is_16bit_before_the_callback_and_fp32_after_it
     learn = quiet(make_learner(mlp)()).to_mixed(torch.bfloat16)
     learn.fit(1, 1e-2, cbs=[s])
     assert seen and all(o == (dtype, []) for o in seen), seen[:3]
+
+# ---- the casts a backward holds go back however it ends
+
+class RaisesInBackward(nn.Module):
+    "The first training backward raises, after the casts were put in for it"
+    def __init__(self):
+        super().__init__()
+        self.lin,self.head,self.raised = nn.Linear(D, 32),nn.Linear(32, 2),False
+    def forward(self, x):
+        h = self.lin(x)
+        if self.training and torch.is_grad_enabled() and not self.raised:
+            self.raised = True
+            def boom(g):
+                self.held = self.lin.weight.dtype # (the backward holds the casts)
+                raise RuntimeError('raised in the backward')
+            h.register_hook(boom)
+        return self.head(torch.relu(h))
+
+def test_a_backward_that_raises_leaves_the_masters_in_their_slots():
+    learn = quiet(make_learner(RaisesInBackward)()).to_mixed(torch.bfloat16)
+    with pytest.raises(RuntimeError, match='raised in the backward'): learn.fit(1, 1e-2)
+    assert learn.model.held == torch.bfloat16
+    assert_fp32_and_intact(learn)
