@@ -252,6 +252,7 @@ class CastRole(Enum):
     PARAMETRIZED = "a parametrization's cast original: computes the weight from it with autocast off, as written"
     FP32_INPUT = 'kept in FP32 by the user: FP32 inputs, FP32 output'
     FP32_NORM = 'a normalization whose kernel needs FP32 input: FP32 inputs, 16-bit output'
+    KEPT_NORM = 'a normalization whose kernel takes 16-bit input: run as is, with autocast off (its output stays 16-bit)'
 
 # %% ../nbs/00_cast.ipynb #ffb1d13b
 def kept_role(
@@ -266,7 +267,8 @@ def _roles(model, kept_tops, slots) -> dict:
     "`id(module) -> CastRole` for every module of `model`"
     res = {id(m):CastRole.PLAIN for m in model.modules()}
     res.update({id(m):CastRole.PARAMETRIZED if isinstance(m, ParametrizationList) else CastRole.CAST_INPUT for _,m,_,_ in slots})
-    res.update({id(m):kept_role(m) for m in kept_tops})
+    for m in kept_tops: # (a kernel that takes 16-bit input is PLAIN to `kept_role`, whose other users need no more)
+        res[id(m)] = CastRole.KEPT_NORM if kept_role(m) is CastRole.PLAIN else kept_role(m)
     return res
 
 # %% ../nbs/00_cast.ipynb #5525acbe
@@ -394,9 +396,10 @@ class ModelCast:
         role = self.roles[id(m)]
         if role is CastRole.PLAIN: return None
         if role is CastRole.CAST_INPUT: dtype = self.dtype
-        else: # a kept module computes in FP32, a parametrization as written: autocast off inside (neither nests in another)
-            dtype = self.dtype if role is CastRole.PARAMETRIZED else torch.float32
+        else: # a kept module computes in FP32, a parametrization as written: autocast off inside (none nests in another)
             torch.set_autocast_enabled(self._device_type, False)
+            if role is CastRole.KEPT_NORM: return None # (its kernel takes the 16-bit input as it comes)
+            dtype = self.dtype if role is CastRole.PARAMETRIZED else torch.float32
         if kwargs: return cast_floats(args, dtype),cast_floats(kwargs, dtype) # (an LSTM's `hx=`)
         # (the common call, one tensor already of the right type, costs no rebuilt tuple)
         if len(args) == 1 and isinstance(args[0], Tensor) and args[0].dtype is dtype: return None
