@@ -6,7 +6,7 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/doctor.html.md"""
 
 # %% ../nbs/07_doctor.ipynb #01b42053
 from __future__ import annotations
-import math, random, re, warnings
+import contextlib, math, random, re, warnings
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -361,6 +361,11 @@ def precision_report(self:Learner,
     if not isinstance(n_batches, int) or n_batches < 1: raise ValueError(f"n_batches must be a positive int, got {n_batches!r}")
     return _report(self, dtype, keep, scale, dynamic, n_batches)
 
+def _eager():
+    "Compiled modules run eagerly while measured: the probe's hooks would have dynamo compile graphs the fit never runs"
+    stance = getattr(torch.compiler, 'set_stance', None) # torch 2.6 and later; before, a compiled model compiles for the hooks too
+    return stance('force_eager') if stance else contextlib.nullcontext()
+
 def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:bool, n_batches:int) -> 'pd.DataFrame':
     "The report on the first `n_batches` of `learn.dls.train`, everything put back as it was"
     dl,model = learn.dls.train,learn.model
@@ -372,7 +377,7 @@ def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:b
         learn.pred = pred
         learn('after_pred')
         return learn.loss_func(cast_floats(learn.pred, torch.float32), *learn.yb)
-    with _Untouched(learn):
+    with _Untouched(learn), _eager():
         probe = PrecisionProbe(model, dtype, keep, scale, dynamic)
         try:
             model.train()
