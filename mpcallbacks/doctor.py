@@ -11,9 +11,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn, Tensor
-from torch.nn.utils.parametrize import ParametrizationList
+from torch.nn.utils.parametrize import ParametrizationList, is_parametrized
+from torch.overrides import TorchFunctionMode
 from fastai.basics import Learner, patch, L
-from .cast import always_fp32, as_16bit_dtype, cast_model, cast_floats, cast_summary, KeptFor
+from .cast import always_fp32, as_16bit_dtype, cast_model, cast_floats, cast_summary, kept_tops, KeptFor
 from .scaler import LossScaler
 from .callback import MasterMixedPrecision
 from .distributed import world_size
@@ -40,12 +41,19 @@ def measured_modules(
     model:nn.Module, # The FP32 model
     dtype:torch.dtype=torch.float16, # The 16-bit type
     keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
-) -> dict: # name -> whether the module owns cast parameters (else it holds such modules), in `named_modules` order
-    "The modules the doctor measures: those that own cast parameters, and the modules above them, the model aside"
+) -> dict: # name -> 'owns' cast parameters, 'holds' modules that do, or 'computes' (no cast parameter in it), in `named_modules` order
+    "The modules the doctor measures: every module that computes in 16 bits, the model aside"
     s = cast_summary(model, dtype, keep)
     owners = {_owner(model, n) for n in s.module[s.forward != 'float32']}
     above = {'.'.join(n.split('.')[:i]) for n in owners for i in range(1, n.count('.') + 1)}
-    return {n:n in owners for n,_ in model.named_modules() if n and (n in owners or n in above)}
+    fp32 = {id(o) for m in kept_tops(model, keep) for o in m.modules()}
+    weights = {id(o) for m in model.modules() if is_parametrized(m) for o in m.parametrizations.modules()} # (judged in their module)
+    def role(n, m):
+        if n in owners: return 'owns'
+        if n in above: return 'holds'
+        if id(m) in fp32 or id(m) in weights or isinstance(m, (nn.ModuleList, nn.ModuleDict)): return None # (the last two: no forward)
+        return 'computes'
+    return {n:r for n,m in model.named_modules() if n and (r := role(n, m))}
 
 # %% ../nbs/07_doctor.ipynb #90f41939
 _kinds = ('in', 'act', 'grad') # a module's inputs, its output, the gradient of its output
@@ -59,6 +67,24 @@ def _floats(x) -> list:
     if isinstance(x, dict): x = list(x.values())
     if isinstance(x, (list, tuple)): return [t for o in x for t in _floats(o)]
     return []
+
+def _top(x:Tensor) -> Tensor: return (_plain(x).float().view(torch.int32) & 0x7fffffff).max() # |x|'s largest, as bits: their order is the magnitudes'
+
+def _op_name(func) -> str:
+    "`mul` for `torch.mul`, `Tensor.mul_`, `Tensor.__mul__` and `Tensor.__rmul__`"
+    n = getattr(func, '__name__', type(func).__name__)
+    return n[3:-2] if n.startswith('__r') and n.endswith('__') and n != '__repr__' else n.strip('_')
+
+def _queue() -> dict: # this batch's measures, added to the statistics once per batch
+    return dict(es=[], tops=[], slots=[], errs=[], kept_errs=[], norms=[], mods=[], own_tops=[], own_slots=[])
+
+class _OwnArithmetic(TorchFunctionMode):
+    "Hands each torch function's result to the probe, which counts it for the innermost measured module running it"
+    def __init__(self, probe): super().__init__(); self.probe = probe
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.probe._own(func, out) # (the mode is off in here: the probe's own ops are not counted)
+        return out
 
 class PrecisionProbe:
     "Range and precision statistics of the modules `to_mixed` would cast, kept as device tensors until `read`"
@@ -77,74 +103,115 @@ class PrecisionProbe:
         self.largest = torch.zeros(n_slots, device=self.device) # of the magnitudes
         self.hist = torch.zeros(n_slots * _nbins, dtype=torch.float64, device=self.device) # of the exponents
         self.error = torch.zeros(len(self.owns), dtype=torch.float64, device=self.device) # the largest relative error in 16 bits
-        self._pending = ([], [], [], [], [], []) # this batch's exponents, largest values and their slots, 16-bit errors, norms, modules
+        self.kept_error = torch.zeros(len(self.owns), dtype=torch.float64, device=self.device) # the same, kept in FP32 on 16-bit inputs
+        self.own = {} # (module, op) -> slot: the results of the module's own arithmetic, outside its children ('' the model's)
+        self.own_largest = torch.zeros(0, device=self.device) # of their magnitudes, a slot per (module, op)
+        self._pending = _queue()
         self.failed = {} # name -> the error the module's 16-bit forward raised
         self.outs = [] # (name, output) of the batch being measured, for the backward
         self.cast = cast_model(model, dtype, keep) # off: only the 16-bit reruns switch it on
-        self._rerunning,self._rng = False,{}
+        self._rerunning,self._busy,self._rng,self._running = False,False,{},[] # `_running`: measured modules (None: a kept one) in their forward, innermost last
         mods = dict(model.named_modules())
-        try: self.handles = [h for n in self.owns for h in (mods[n].register_forward_pre_hook(self._before(n)),
-                                                             mods[n].register_forward_hook(self._after(n), with_kwargs=True))]
+        try:
+            self.handles = [h for n in self.owns for h in (mods[n].register_forward_pre_hook(self._before(n)),
+                                                           mods[n].register_forward_hook(self._after(n), with_kwargs=True))]
+            self.handles += [h for m in self.cast.kept for h in (m.register_forward_pre_hook(self._enter_kept),
+                                                                m.register_forward_hook(self._leave_kept))]
         except BaseException:
-            self.cast.restore()
+            self.close()
             raise
 
     def close(self) -> None:
         "Remove every hook, the probe's and the cast's"
-        for h in self.handles: h.remove()
+        for h in getattr(self, 'handles', []): h.remove()
         self.cast.restore()
         self.outs = []
 
     def _count(self, name:str, kind:str, xs:list) -> None:
         "Queue the exponents and the largest magnitude of `xs` for `name`'s `kind`: integer ops on the device, no host sync"
-        es,tops,slots = self._pending[:3]
+        q = self._pending
         slot = self.index[name] * len(_kinds) + _kinds.index(kind)
         for x in xs:
             bits = _plain(x).float().view(torch.int32) & 0x7fffffff # |x| as bits: its order is that of the magnitudes
-            tops.append(bits.max())
-            slots.append(slot)
-            es.append(((bits >> 23) + slot * _nbins).flatten()) # the exponent field, in the slot's bins
+            q['tops'].append(bits.max())
+            q['slots'].append(slot)
+            q['es'].append(((bits >> 23) + slot * _nbins).flatten()) # the exponent field, in the slot's bins
+
+    def _own(self, func, out) -> None:
+        "Queue the largest magnitude `func` made, for the innermost measured module running it (not a kept one's, in FP32)"
+        if self._rerunning or self._busy: return
+        where = self._running[-1] if self._running else '' # outside every measured module: the model's own forward
+        xs = [x for x in _floats(out) if x.layout == torch.strided and x.device == self.device]
+        if where is None or not xs: return
+        slot = self.own.setdefault((where, _op_name(func)), len(self.own))
+        self._pending['own_tops'] += [_top(x) for x in xs]
+        self._pending['own_slots'] += [slot] * len(xs)
 
     def _flush(self) -> None:
-        "Add the batch's queue to the statistics: one `index_add_` and two `scatter_reduce_` for all modules"
-        es,tops,slots,errs,norms,mods = self._pending
-        if es:
-            bins = torch.cat(es).long() # (not `bincount`, which reads its largest input on the host to size its output)
+        "Add the batch's queue to the statistics: one `index_add_` and a few `scatter_reduce_` for all modules"
+        q = self._pending
+        if q['es']:
+            bins = torch.cat(q['es']).long() # (not `bincount`, which reads its largest input on the host to size its output)
             self.hist.index_add_(0, bins, torch.ones(len(bins), dtype=self.hist.dtype, device=self.device))
-            idx = torch.tensor(slots, device=self.device)
-            self.largest.scatter_reduce_(0, idx, torch.stack(tops).view(torch.float32), 'amax')
-        if errs:
-            rel = (torch.stack(errs).double() / torch.stack(norms).double().clamp_min(torch.finfo(torch.float64).tiny))
-            self.error.scatter_reduce_(0, torch.tensor(mods, device=self.device), rel, 'amax')
-        self._pending = ([], [], [], [], [], [])
+            idx = torch.tensor(q['slots'], device=self.device)
+            self.largest.scatter_reduce_(0, idx, torch.stack(q['tops']).view(torch.float32), 'amax')
+        if q['errs']:
+            norms,idx = torch.stack(q['norms']).double().clamp_min(torch.finfo(torch.float64).tiny),torch.tensor(q['mods'], device=self.device)
+            self.error.scatter_reduce_(0, idx, torch.stack(q['errs']).double() / norms, 'amax')
+            self.kept_error.scatter_reduce_(0, idx, torch.stack(q['kept_errs']).double() / norms, 'amax')
+        if q['own_tops']:
+            grown = len(self.own) - len(self.own_largest) # (slots of ops first seen in this batch)
+            self.own_largest = torch.cat([self.own_largest, self.own_largest.new_zeros(grown)])
+            self.own_largest.scatter_reduce_(0, torch.tensor(q['own_slots'], device=self.device),
+                                             torch.stack(q['own_tops']).view(torch.float32), 'amax')
+        self._pending = _queue()
 
     def _before(self, name:str):
         "Keep the random state and the attributes of the module and its children as the forward starts, for the rerun"
         def hook(m, args):
-            if not self._rerunning: self._rng[name] = (_rng_state(self.device), _attrs(m))
+            if self._rerunning: return
+            self._rng[name] = (_rng_state(self.device), _attrs(m))
+            self._running.append(name)
         return hook
 
     def _after(self, name:str):
         def hook(m, args, kwargs, out):
             if self._rerunning: return None
-            self._count(name, 'in', _floats((args, kwargs)))
-            outs = _floats(out)
-            self._count(name, 'act', outs)
-            self.outs += [(name, o) for o in outs if o.requires_grad]
-            if name not in self.failed: self._rerun(name, m, args, kwargs, outs)
+            self._running.pop()
+            self._busy = True # (what the hook computes is not the module's arithmetic)
+            try:
+                self._count(name, 'in', _floats((args, kwargs)))
+                outs = _floats(out)
+                self._count(name, 'act', outs)
+                self.outs += [(name, o) for o in outs if o.requires_grad]
+                if name not in self.failed: self._rerun(name, m, args, kwargs, outs)
+            finally: self._busy = False
             return None
         return hook
 
+    def _enter_kept(self, m, args):
+        if not self._rerunning: self._running.append(None)
+
+    def _leave_kept(self, m, args, out):
+        if not self._rerunning: self._running.pop()
+
     def _rerun(self, name:str, m:nn.Module, args, kwargs, outs:list) -> None:
-        "Rerun `m` in 16 bits on the same input, random state and attributes; keep the largest relative error of its output"
+        """Rerun `m` in 16 bits on the same input, random state and attributes, and once more in FP32 on its inputs rounded to
+        16 bits (as the fit hands them to a module it keeps); keep the largest relative error of each output"""
         dev = self.device
         (rng,attrs),now = self._rng.pop(name),(_rng_state(dev), _attrs(m))
+        if self.owns[name] == 'computes': args,kwargs = cast_floats((args, kwargs), self.dtype) # as the 16-bit layer before hands them on
+        rounded = cast_floats(cast_floats((args, kwargs), self.dtype), torch.float32)
         self._rerunning = True
         try:
             _set_rng_state(rng, dev)
             _set_attrs(attrs)
             self.cast.begin()
             with torch.no_grad(): out16 = _floats(m(*args, **kwargs))
+            self.cast.active = False
+            _set_rng_state(rng, dev)
+            _set_attrs(attrs)
+            with torch.no_grad(): kept = _floats(m(*rounded[0], **rounded[1]))
         except (RuntimeError, TypeError, ValueError) as e:
             self.failed[name] = e
             return
@@ -152,30 +219,31 @@ class PrecisionProbe:
             self.cast.active,self._rerunning = False,False # (not `end()`: the casts serve the next modules of the batch)
             _set_rng_state(now[0], dev)
             _set_attrs(now[1]) # as the FP32 forward left them
-        if len(out16) != len(outs) or any(a.shape != b.shape for a,b in zip(out16, outs)):
+        if any(len(o) != len(outs) or any(a.shape != b.shape for a,b in zip(o, outs)) for o in (out16, kept)):
             self.failed[name] = ValueError('its 16-bit output has another shape')
             return
-        diff = torch.cat([(_plain(a).float() - _plain(b).float()).flatten() for a,b in zip(out16, outs)])
-        ref = torch.cat([_plain(b).float().flatten() for b in outs])
-        self._pending[3].append(torch.linalg.vector_norm(diff))
-        self._pending[4].append(torch.linalg.vector_norm(ref))
-        self._pending[5].append(self.index[name])
+        diff = lambda os: torch.linalg.vector_norm(torch.cat([(_plain(a).float() - _plain(b).float()).flatten() for a,b in zip(os, outs)]))
+        self._pending['errs'].append(diff(out16))
+        self._pending['kept_errs'].append(diff(kept))
+        self._pending['norms'].append(torch.linalg.vector_norm(torch.cat([_plain(b).float().flatten() for b in outs])))
+        self._pending['mods'].append(self.index[name])
 
     def measure(self,
         xb:tuple, # The model's inputs
         loss_fn, # Called with the model's output, returns the loss
     ) -> None:
         "Run one batch forward and backward in FP32, recording every measured module's statistics"
-        self.outs = []
+        self.outs,self._running = [],[]
         try:
             with torch.enable_grad():
-                loss = loss_fn(self.model(*xb))
+                with _OwnArithmetic(self): out = self.model(*xb)
+                loss = loss_fn(out)
                 if self.outs and loss.requires_grad: # the gradients of the outputs only: no `.grad` written
                     grads = torch.autograd.grad(loss, [o for _,o in self.outs], allow_unused=True)
                     for (name,_),g in zip(self.outs, grads):
                         if g is not None: self._count(name, 'grad', [g])
             self._flush()
-        finally: self.outs,self._pending = [],([], [], [], [], [], [])
+        finally: self.outs,self._pending = [],_queue()
 
     def _forward_verdict(self, name:str, r:dict) -> tuple|None: # (verdict, reason, a word or two for `KeptFor`)
         t,fi = str(self.dtype).split('.')[1],torch.finfo(self.dtype)
@@ -185,17 +253,30 @@ class PrecisionProbe:
             if isinstance(e, RuntimeError) and _clash.search(str(e)):
                 return 'keep FP32',f"its forward mixes dtypes: in {t} it raises \"{first}\"",'forward mixes dtypes'
             return 'keep FP32',f"its forward fails in {t}: \"{first}\"",'forward fails in 16 bits'
-        if min(r['in_headroom'], r['act_headroom']) < headroom_min:
-            side,v = ('inputs','in_max') if r['in_headroom'] < headroom_min else ('activations','act_max') # the inputs first: the cause
-            where = 'beyond' if r[v] > fi.max else f"less than {headroom_min:g} bit below"
-            return 'keep FP32',f"overflow: its {side} reach {_num(r[v])}, {where} {t}'s largest {_num(fi.max)}",'overflow'
+        # the inputs first: a module that receives an overflow is kept, and so is the one that makes it (its own arithmetic)
+        for side,v,room in (('inputs','in_max','in_headroom'), (f"own `{r['own_op']}`",'own_max','own_headroom'), ('activations','act_max','act_headroom')):
+            if r[room] < headroom_min:
+                where = 'beyond' if r[v] > fi.max else f"less than {headroom_min:g} bit below"
+                return 'keep FP32',f"overflow: its {side} reach{'es' if v == 'own_max' else ''} {_num(r[v])}, {where} {t}'s largest {_num(fi.max)}",'overflow'
         under = max(r['in_underflow'], r['act_underflow'])
         if under > underflow_max:
             return 'keep FP32',f"underflow: {under:.0%} of its nonzero activations fall below {t}'s smallest normal {fi.smallest_normal:.3g}",'underflow'
         if not r['sensitivity'] <= sensitivity_max * fi.eps: # (NaN too)
-            return ('keep FP32',f"sensitivity: its {t} output is {r['sensitivity']:.2g} off FP32's ({r['sensitivity'] / fi.eps:.0f} "
-                    f"epsilons of {t})",'sensitivity')
+            said = f"sensitivity: its {t} output is {r['sensitivity']:.2g} off FP32's ({r['sensitivity'] / fi.eps:.0f} epsilons of {t})"
+            if not r['kept_sensitivity'] <= sensitivity_max * fi.eps: # in FP32 it still loses: its inputs, rounded to 16 bits, lack what it needs
+                return ('train in FP32',f"{said}, and in FP32 on its {t} inputs still {r['kept_sensitivity']:.2g}: keeping it does not bring it "
+                        f"within reach of FP32, {t}'s precision itself loses here. Train this model in FP32 (`learn.to_unmixed()`)",'sensitivity')
+            return 'keep FP32',said,'sensitivity'
         return None
+
+    def _model_verdict(self, op:str, top:float) -> dict: # a row for the model, whose own forward no keeping reaches
+        t,fi = str(self.dtype).split('.')[1],torch.finfo(self.dtype)
+        where = 'beyond' if top > fi.max else f"less than {headroom_min:g} bit below"
+        reason = (f"overflow: its own `{op}`, in the model's forward outside every module, reaches {_num(top)}, {where} {t}'s largest "
+                  f"{_num(fi.max)}: no module keeps it in FP32. Move that operation into a module of its own (keep_fp32='auto' then "
+                  "keeps it), or train this model in FP32 (`learn.to_unmixed()`)")
+        return dict(module='', type=type(self.model).__name__, verdict='train in FP32', reason=reason, own_max=top,
+                    own_headroom=_bits(torch.finfo(self.dtype).max, top), keep_as='')
 
     def _grad_verdict(self, r:dict) -> tuple: # (verdict, reason, '')
         t = str(self.dtype).split('.')[1]
@@ -216,12 +297,15 @@ class PrecisionProbe:
         "The statistics and verdicts, read from the device in one transfer"
         import pandas as pd
         if not self.owns: return pd.DataFrame(columns=_columns)
-        m,k = len(self.owns),len(_kinds)
-        flat = np.array(torch.cat([self.largest.double(), self.hist, self.error]).tolist()) # the one host sync
-        v = np.zeros((m, k, _nbins + 2)) # per module and kind: the largest magnitude, the histogram, (kind 0) the 16-bit error
+        m,k,n_own = len(self.owns),len(_kinds),len(self.own)
+        flat = np.array(torch.cat([self.largest.double(), self.hist, self.error, self.kept_error, self.own_largest.double()]).tolist()) # the one host sync
+        v = np.zeros((m, k, _nbins + 2)) # per module and kind: the largest magnitude, the histogram, (kinds 0, 1) the 16-bit errors
         v[:, :, 0] = flat[:m*k].reshape(m, k)
         v[:, :, 1:-1] = flat[m*k:m*k + m*k*_nbins].reshape(m, k, _nbins)
-        v[:, 0, -1] = flat[m*k + m*k*_nbins:]
+        v[:, 0, -1],v[:, 1, -1] = flat[m*k + m*k*_nbins:][:m],flat[m*k + m*k*_nbins:][m:2*m]
+        own = {} # module -> (its own op with the largest result, that result)
+        for (name,op),top in zip(self.own, flat[len(flat) - n_own:] if n_own else []):
+            if top > own.get(name, ('', -1.))[1]: own[name] = (op, top)
         big = torch.finfo(self.dtype).max
         runs_in = {} # a module whose rerun failed alone, and the nearest block above it whose rerun ran it
         for n in self.failed:
@@ -231,11 +315,13 @@ class PrecisionProbe:
         rows,firsts = [],{}
         for name,o in zip(self.owns, v):
             (_, in_under),(act_over, act_under) = [_shares(o[k, 1:-1], self.dtype, 1.) for k in (0, 1)]
-            sens = math.nan if name in self.failed else o[0, -1]
+            sens,kept_sens = (math.nan,math.nan) if name in self.failed else (o[0, -1],o[1, -1])
+            op,own_max = own.get(name, ('', 0.))
             r = dict(in_max=o[0, 0], in_headroom=_bits(big, o[0, 0]), in_underflow=in_under, act_max=o[1, 0], act_headroom=_bits(big, o[1, 0]),
-                     act_floor=_floor(o[1, 1:-1], big, 1.), act_overflow=act_over, act_underflow=act_under, sensitivity=sens)
+                     act_floor=_floor(o[1, 1:-1], big, 1.), act_overflow=act_over, act_underflow=act_under, own_op=op, own_max=own_max,
+                     own_headroom=_bits(big, own_max), sensitivity=sens, kept_sensitivity=kept_sens)
             firsts[name] = self._forward_verdict(name, r)
-            if name in runs_in: r['sensitivity'] = math.nan # (not measured alone)
+            if name in runs_in: r['sensitivity'] = r['kept_sensitivity'] = math.nan # (not measured alone)
             rows.append((name, o, r))
         # the gradients that stay 16-bit: of the modules not kept, nor inside a kept one
         kept = [n for n,f in firsts.items() if f is not None]
@@ -252,9 +338,10 @@ class PrecisionProbe:
             verdict,reason,why = firsts[name] or (('fine',f"in FP32 inside `{inside}`",'') if inside else self._grad_verdict(r))
             if name in runs_in and verdict == 'fine' and not reason: reason = f"runs in 16 bits only inside `{runs_in[name]}`, judged there"
             out.append(dict(module=name, type=type(mods[name]).__name__, verdict=verdict, reason=reason, **r, keep_as=why))
+        if '' in own and _bits(big, own[''][1]) < headroom_min: out.append(self._model_verdict(*own['']))
         res = pd.DataFrame(out, columns=_columns)
         rank = res.verdict.map(_order)
-        room = res[['in_headroom', 'act_headroom', 'grad_headroom']].min(axis=1)
+        room = res[['in_headroom', 'act_headroom', 'own_headroom', 'grad_headroom']].min(axis=1)
         res = res.iloc[np.lexsort((room.values, rank.values))].reset_index(drop=True)
         res.attrs.update(dtype=self.dtype, loss_scale=self.scale, dynamic=self.dynamic)
         return res
@@ -301,10 +388,10 @@ def _floor(h:np.ndarray, big:float, scale:float, share:float=underflow_max) -> f
     return math.log2(big) - (k - 127 + math.log2(scale)) # (from the bin's lower edge)
 
 # %% ../nbs/07_doctor.ipynb #5261144a
-_order = {'keep FP32':0, 'needs loss scaling':1, 'fine':2}
+_order = {'train in FP32':0, 'keep FP32':1, 'needs loss scaling':2, 'fine':3}
 _columns = ['module', 'type', 'verdict', 'reason', 'in_max', 'in_headroom', 'in_underflow', 'act_max', 'act_headroom', 'act_floor',
-            'act_overflow', 'act_underflow', 'grad_max', 'grad_headroom', 'grad_floor', 'grad_overflow', 'grad_underflow',
-            'sensitivity', 'keep_as']
+            'act_overflow', 'act_underflow', 'own_op', 'own_max', 'own_headroom', 'grad_max', 'grad_headroom', 'grad_floor', 'grad_overflow', 'grad_underflow',
+            'sensitivity', 'kept_sensitivity', 'keep_as']
 
 # %% ../nbs/07_doctor.ipynb #26fe011e
 class _Untouched:
@@ -411,7 +498,7 @@ def plot_headroom(
     ax.axvline(0, color='red', lw=1.5, label=f"overflow: {name}'s largest, {fi.max:.3g}")
     ax.axvline(headroom_min, color='red', lw=1, ls=':', label=f'{headroom_min:g} bit: kept in FP32')
     ax.axvline(span, color='gray', lw=1.5, ls='--', label=f"underflow: smallest normal, {fi.smallest_normal:.3g}")
-    marks = {'keep FP32':' (keep FP32)', 'needs loss scaling':' (loss scaling)', 'fine':''}
+    marks = {'train in FP32':' (train in FP32)', 'keep FP32':' (keep FP32)', 'needs loss scaling':' (loss scaling)', 'fine':''}
     ax.set_yticks(y, [f"{m} {t}{marks[v]}" for m,t,v in zip(r.module, r.type, r.verdict)])
     ax.set_xlim(*lim)
     ax.set_xlabel(f"bits below {name}'s largest finite value (headroom)")
@@ -422,18 +509,27 @@ def plot_headroom(
 def auto_keep(
     report:'pd.DataFrame', # What `Learner.precision_report` returned
 ) -> tuple: # `KeptFor` entries for `keep`
-    "The modules of `report` to keep in FP32: each flagged one with no flagged module inside it"
-    flagged = report[report.verdict == 'keep FP32']
+    "The modules of `report` to keep in FP32: each flagged one whose own arithmetic overflows, and each other with no flagged module inside it"
+    flagged = report[report.verdict.isin(('keep FP32', 'train in FP32')) & (report.module != '')] # (not the model: all of it in FP32 is no mixed precision)
     names = list(flagged.module)
+    makes = set(flagged.module[(flagged.own_headroom < headroom_min) & ~(flagged.in_headroom < headroom_min)]) # an overflow, not one it received
     inner = lambda n: any(o != n and o.startswith(n + '.') for o in names)
-    return tuple(KeptFor(n, w) for n,w in zip(flagged.module, flagged.keep_as) if not inner(n))
+    picked = [n for n in names if n in makes or not inner(n)]
+    within = lambda n: any(n.startswith(o + '.') for o in picked) # (kept with the module that holds it)
+    return tuple(KeptFor(n, w) for n,w in zip(flagged.module, flagged.keep_as) if n in picked and not within(n))
 
 # %% ../nbs/07_doctor.ipynb #1c5d2bd4
 def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype) -> None:
-    "One warning: what 'auto' keeps in FP32 and why, and the loss scale if gradients underflow"
+    "One warning: what 'auto' keeps in FP32 and why, whether that is not enough (then: FP32), and the loss scale if gradients underflow"
     t,why = str(dtype).split('.')[1],dict(zip(report.module, report.reason))
     msg = [f"to_mixed(keep_fp32='auto') keeps in FP32 what {t} would break: " + '; '.join(f"`{k.name}` ({why[k.name]})" for k in kept)
            + ' (see learn.mixed_summary()).'] if kept else []
+    fp32 = report[report.verdict == 'train in FP32']
+    if len(fp32):
+        named = {k.name for k in kept}
+        rest = '; '.join(f"{'the model' if m == '' else f'`{m}`'} ({r})" for m,r in zip(fp32.module, fp32.reason) if m not in named)
+        msg.append(f"to_mixed(keep_fp32='auto') is not enough for this model: {t} cannot train it as FP32 does, whatever is kept. "
+                   f"Train it in FP32 (`learn.to_unmixed()`){': ' + rest if rest else ''}.")
     scaling = report[report.verdict == 'needs loss scaling']
     if len(scaling): msg.append(f"The gradients of {len(scaling)} cast module(s) need loss scaling: {scaling.reason.iloc[0]}.")
     if msg: warnings.warn(' '.join(msg), stacklevel=4)

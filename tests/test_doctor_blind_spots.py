@@ -7,7 +7,9 @@ import pytest, torch
 from torch import nn
 from torch._dynamo.utils import counters
 import mpcallbacks.all # noqa: F401 (`Learner.to_mixed`, `Learner.precision_report`)
+from mpcallbacks.cast import KeptFor
 from mpcallbacks.test_utils import synth_learner
+from like_fp32 import fit_once
 
 def mlp():
     torch.manual_seed(0)
@@ -34,3 +36,79 @@ def test_auto_on_a_compiled_model_compiles_no_more_graphs():
     learn.model = torch.compile(mlp(), backend='eager')
     rep = learn.precision_report(torch.bfloat16)
     assert counters['stats']['unique_graphs'] == 0 and set(rep.verdict) == {'fine'}, rep
+
+# ---- an overflow made by a parameterless module, or by an operation between modules
+
+class Gain(nn.Module):
+    "A fixed gain, no parameter: at 3e4 its 16-bit product leaves float16's range (65504)"
+    def __init__(self, gain=3e4): super().__init__(); self.gain = gain
+    def forward(self, x): return x * self.gain
+
+def gain_between_linears():
+    "Linear, a gain of 3e4, Linear, the inverse gain: FP32 trains it; in float16 the first gain's product overflows"
+    learn = synth_learner()
+    torch.manual_seed(0)
+    learn.model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), Gain(), nn.Linear(32, 32), Gain(1 / 3e4), nn.ReLU(), nn.Linear(32, 2))
+    return learn
+
+class GainBetween(nn.Module):
+    "The same gain, as an operation in a block's forward between its two layers"
+    def __init__(self): super().__init__(); self.l1,self.l2 = nn.Linear(64, 32),nn.Linear(32, 32)
+    def forward(self, x): return self.l2(self.l1(x) * 3e4) / 3e4
+
+def gain_in_a_block():
+    learn = synth_learner()
+    torch.manual_seed(0)
+    learn.model = nn.Sequential(nn.Flatten(), GainBetween(), nn.ReLU(), nn.Linear(32, 2))
+    return learn
+
+class GainInTheModel(nn.Module):
+    "The same gain in the model's own forward, outside every module: nothing to keep"
+    def __init__(self): super().__init__(); self.l1,self.l2,self.head = nn.Linear(64, 32),nn.Linear(32, 32),nn.Linear(32, 2)
+    def forward(self, x): return self.head(torch.relu(self.l2(self.l1(x.flatten(1)) * 3e4) / 3e4))
+
+def gain_in_the_model():
+    learn = synth_learner()
+    torch.manual_seed(0)
+    learn.model = GainInTheModel()
+    return learn
+
+def fit_said(make, mixed, **kw):
+    "`fit_once`, and what 'auto' said"
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        run = fit_once(make, mixed, **kw)
+    return run,[str(x.message) for x in w if "keep_fp32='auto'" in str(x.message)]
+
+def rel(a, b) -> float: return abs(a - b) / abs(b)
+
+def test_a_parameterless_gain_that_overflows_is_kept_with_what_receives_it():
+    rep = gain_between_linears().precision_report(torch.float16).set_index('module')
+    assert rep.verdict['2'] == 'keep FP32' and rep.reason['2'].startswith("overflow: its own `mul` reaches"), rep[['verdict', 'reason']]
+    assert rep.reason['3'].startswith('overflow: its inputs reach'), rep[['verdict', 'reason']]
+    ref = fit_once(gain_between_linears, None, epochs=3)
+    plain = fit_once(gain_between_linears, dict(dtype=torch.float16), epochs=3)
+    auto,said = fit_said(gain_between_linears, dict(dtype=torch.float16, keep_fp32='auto'), epochs=3)
+    assert plain.learn.cbs[-1].skipped > len(plain.losses) // 2 # plain float16 skips most steps
+    kept = {k.name for k in auto.learn.cbs[-1].auto_kept}
+    assert {'2', '3'} <= kept and auto.learn.cbs[-1].skipped == 0, (kept, auto.learn.cbs[-1].skipped)
+    assert rel(auto.mean_loss(False, 4), ref.mean_loss(False, 4)) < 0.02, (auto.mean_loss(False, 4), ref.mean_loss(False, 4))
+    assert len(said) == 1 and '`2` (overflow: its own `mul`' in said[0], said
+
+def test_an_operation_between_a_blocks_layers_keeps_the_block():
+    rep = gain_in_a_block().precision_report(torch.float16).set_index('module')
+    assert rep.reason['1'].startswith("overflow: its own `mul` reaches"), rep[['verdict', 'reason']]
+    ref = fit_once(gain_in_a_block, None, epochs=3)
+    auto,_ = fit_said(gain_in_a_block, dict(dtype=torch.float16, keep_fp32='auto'), epochs=3)
+    assert auto.learn.cbs[-1].auto_kept == (KeptFor('1', 'overflow'),), auto.learn.cbs[-1].auto_kept # the block, its layers in it
+    assert auto.learn.cbs[-1].skipped == 0
+    assert rel(auto.mean_loss(False, 4), ref.mean_loss(False, 4)) < 0.02, (auto.mean_loss(False, 4), ref.mean_loss(False, 4))
+
+def test_an_operation_in_the_models_own_forward_is_said_to_need_fp32():
+    rep = gain_in_the_model().precision_report(torch.float16)
+    top = rep.iloc[0]
+    assert (top.module, top.verdict) == ('', 'train in FP32') and "its own `mul`, in the model's forward" in top.reason, rep[['module', 'verdict', 'reason']]
+    assert 'Move that operation into a module of its own' in top.reason and 'learn.to_unmixed()' in top.reason
+    auto,said = fit_said(gain_in_the_model, dict(dtype=torch.float16, keep_fp32='auto'), epochs=1)
+    assert '' not in {k.name for k in auto.learn.cbs[-1].auto_kept} # the model itself is never kept: that is no mixed precision
+    assert len(said) == 1 and 'not enough for this model' in said[0] and 'learn.to_unmixed()' in said[0], said
