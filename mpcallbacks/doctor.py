@@ -13,8 +13,9 @@ import torch.distributed as dist
 from torch import nn, Tensor
 from torch.nn.utils.parametrize import ParametrizationList, is_parametrized
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 from fastai.basics import Learner, patch, L
-from .cast import always_fp32, as_16bit_dtype, cast_model, cast_floats, cast_summary, kept_tops, KeptFor
+from .cast import always_fp32, as_16bit_dtype, cast_model, cast_floats, cast_summary, kept_tops, KeptFor, CastRole
 from .scaler import LossScaler
 from .callback import MasterMixedPrecision
 from .distributed import world_size
@@ -75,6 +76,8 @@ def _op_name(func) -> str:
     n = getattr(func, '__name__', type(func).__name__)
     return n[3:-2] if n.startswith('__r') and n.endswith('__') and n != '__repr__' else n.strip('_')
 
+_unset = {'empty', 'new_empty', 'empty_like', 'empty_strided'} # functions whose result is memory not yet written: no values to count
+
 def _queue() -> dict: # this batch's measures, added to the statistics once per batch
     return dict(es=[], tops=[], slots=[], errs=[], kept_errs=[], norms=[], mods=[], own_tops=[], own_slots=[])
 
@@ -109,6 +112,8 @@ class PrecisionProbe:
         self._pending = _queue()
         self.failed = {} # name -> the error the module's 16-bit forward raised
         self.outs = [] # (name, output) of the batch being measured, for the backward
+        self.makers,self._made = {},{} # name -> the measured modules whose outputs it takes; id(output) -> (its module, it), this batch
+        self._fp32 = {} # id -> tensor of this batch that stays FP32 in the fit: the model's inputs, what FP32 layers make of them
         self.cast = cast_model(model, dtype, keep) # off: only the 16-bit reruns switch it on
         self._rerunning,self._busy,self._rng,self._running = False,False,{},[] # `_running`: measured modules (None: a kept one) in their forward, innermost last
         mods = dict(model.named_modules())
@@ -142,8 +147,9 @@ class PrecisionProbe:
         if self._rerunning or self._busy: return
         where = self._running[-1] if self._running else '' # outside every measured module: the model's own forward
         xs = [x for x in _floats(out) if x.layout == torch.strided and x.device == self.device]
-        if where is None or not xs: return
-        slot = self.own.setdefault((where, _op_name(func)), len(self.own))
+        op = _op_name(func)
+        if where is None or not xs or op in _unset: return
+        slot = self.own.setdefault((where, op), len(self.own))
         self._pending['own_tops'] += [_top(x) for x in xs]
         self._pending['own_slots'] += [slot] * len(xs)
 
@@ -180,8 +186,11 @@ class PrecisionProbe:
             self._running.pop()
             self._busy = True # (what the hook computes is not the module's arithmetic)
             try:
-                self._count(name, 'in', _floats((args, kwargs)))
-                outs = _floats(out)
+                ins,outs = _floats((args, kwargs)),_floats(out)
+                self._count(name, 'in', ins)
+                self.makers.setdefault(name, set()).update(self._made[id(x)][0] for x in ins if id(x) in self._made)
+                self._made.update({id(o):(name, o) for o in outs}) # (a block's output, its last layer's too: the block makes it)
+                if self.owns[name] == 'computes' and ins and all(id(x) in self._fp32 for x in ins): self._fp32.update({id(o):o for o in outs})
                 self._count(name, 'act', outs)
                 self.outs += [(name, o) for o in outs if o.requires_grad]
                 if name not in self.failed: self._rerun(name, m, args, kwargs, outs)
@@ -193,15 +202,19 @@ class PrecisionProbe:
         if not self._rerunning: self._running.append(None)
 
     def _leave_kept(self, m, args, out):
-        if not self._rerunning: self._running.pop()
+        if self._rerunning: return
+        self._running.pop()
+        if self.cast.roles[id(m)] is CastRole.FP32_INPUT: self._fp32.update({id(o):o for o in _floats(out)}) # (a norm's is 16-bit)
 
     def _rerun(self, name:str, m:nn.Module, args, kwargs, outs:list) -> None:
         """Rerun `m` in 16 bits on the same input, random state and attributes, and once more in FP32 on its inputs rounded to
         16 bits (as the fit hands them to a module it keeps); keep the largest relative error of each output"""
         dev = self.device
         (rng,attrs),now = self._rng.pop(name),(_rng_state(dev), _attrs(m))
-        if self.owns[name] == 'computes': args,kwargs = cast_floats((args, kwargs), self.dtype) # as the 16-bit layer before hands them on
-        rounded = cast_floats(cast_floats((args, kwargs), self.dtype), torch.float32)
+        def as_fit(f): # each floating-point input as the fit hands it on: in 16 bits, unless made in FP32
+            return lambda x: x if not isinstance(x, Tensor) or not x.is_floating_point() or id(x) in self._fp32 else f(x)
+        if self.owns[name] == 'computes': args,kwargs = tree_map(as_fit(lambda x: x.to(self.dtype)), (args, kwargs))
+        rounded = tree_map(as_fit(lambda x: x.to(self.dtype).float()), (args, kwargs))
         self._rerunning = True
         try:
             _set_rng_state(rng, dev)
@@ -233,7 +246,7 @@ class PrecisionProbe:
         loss_fn, # Called with the model's output, returns the loss
     ) -> None:
         "Run one batch forward and backward in FP32, recording every measured module's statistics"
-        self.outs,self._running = [],[]
+        self.outs,self._running,self._made,self._fp32 = [],[],{},{id(x):x for x in _floats(xb)}
         try:
             with torch.enable_grad():
                 with _OwnArithmetic(self): out = self.model(*xb)
@@ -243,7 +256,7 @@ class PrecisionProbe:
                     for (name,_),g in zip(self.outs, grads):
                         if g is not None: self._count(name, 'grad', [g])
             self._flush()
-        finally: self.outs,self._pending = [],_queue()
+        finally: self.outs,self._pending,self._made,self._fp32 = [],_queue(),{},{}
 
     def _forward_verdict(self, name:str, r:dict) -> tuple|None: # (verdict, reason, a word or two for `KeptFor`)
         t,fi = str(self.dtype).split('.')[1],torch.finfo(self.dtype)
@@ -264,8 +277,11 @@ class PrecisionProbe:
         if not r['sensitivity'] <= sensitivity_max * fi.eps: # (NaN too)
             said = f"sensitivity: its {t} output is {r['sensitivity']:.2g} off FP32's ({r['sensitivity'] / fi.eps:.0f} epsilons of {t})"
             if not r['kept_sensitivity'] <= sensitivity_max * fi.eps: # in FP32 it still loses: its inputs, rounded to 16 bits, lack what it needs
-                return ('train in FP32',f"{said}, and in FP32 on its {t} inputs still {r['kept_sensitivity']:.2g}: keeping it does not bring it "
-                        f"within reach of FP32, {t}'s precision itself loses here. Train this model in FP32 (`learn.to_unmixed()`)",'sensitivity')
+                makers = sorted(self.makers.get(name, ()))
+                also = f", or keep what makes its inputs too: keep_fp32=['auto', {', '.join(map(repr, makers))}]" if makers else ''
+                return ('train in FP32',f"{said}, and kept in FP32 on its {t} inputs still {r['kept_sensitivity']:.2g}: keeping it does not bring it "
+                        f"within reach of FP32, its inputs lose what it needs when rounded to {t}. Train this model in FP32 "
+                        f"(`learn.to_unmixed()`){also}",'sensitivity')
             return 'keep FP32',said,'sensitivity'
         return None
 
@@ -528,7 +544,8 @@ def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype) -> None:
     if len(fp32):
         named = {k.name for k in kept}
         rest = '; '.join(f"{'the model' if m == '' else f'`{m}`'} ({r})" for m,r in zip(fp32.module, fp32.reason) if m not in named)
-        msg.append(f"to_mixed(keep_fp32='auto') is not enough for this model: {t} cannot train it as FP32 does, whatever is kept. "
+        msg.append(f"to_mixed(keep_fp32='auto') is not enough for this model: what it keeps does not bring "
+                   + ', '.join('the model' if m == '' else f'`{m}`' for m in fp32.module) + " within reach of FP32. "
                    f"Train it in FP32 (`learn.to_unmixed()`){': ' + rest if rest else ''}.")
     scaling = report[report.verdict == 'needs loss scaling']
     if len(scaling): msg.append(f"The gradients of {len(scaling)} cast module(s) need loss scaling: {scaling.reason.iloc[0]}.")

@@ -112,3 +112,38 @@ def test_an_operation_in_the_models_own_forward_is_said_to_need_fp32():
     auto,said = fit_said(gain_in_the_model, dict(dtype=torch.float16, keep_fp32='auto'), epochs=1)
     assert '' not in {k.name for k in auto.learn.cbs[-1].auto_kept} # the model itself is never kept: that is no mixed precision
     assert len(said) == 1 and 'not enough for this model' in said[0] and 'learn.to_unmixed()' in said[0], said
+
+# ---- a layer that keeping in FP32 does not bring back: bfloat16's precision loses before it
+
+class Center(nn.Module):
+    "Subtracts a fixed level, no parameter: the difference of large, nearly equal numbers"
+    def __init__(self, level=256.): super().__init__(); self.level = level
+    def forward(self, x): return x - self.level
+
+def offset_learner():
+    "A Linear whose outputs ride on a level of 256, which the next module takes away: bfloat16 (ulp 2 at 256) rounds the signal off"
+    learn = synth_learner()
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    with torch.no_grad(): lin.bias.add_(256.)
+    learn.model = nn.Sequential(nn.Flatten(), lin, Center(), nn.ReLU(), nn.Linear(32, 2))
+    return learn
+
+def test_when_keeping_is_not_enough_the_doctor_says_to_train_in_fp32():
+    rep = offset_learner().precision_report(torch.bfloat16)
+    top = rep.iloc[0]
+    assert (top.module, top.verdict) == ('2', 'train in FP32'), rep[['module', 'verdict', 'reason']]
+    assert top.reason.startswith('sensitivity') and 'keeping it does not bring it within reach of FP32' in top.reason, top.reason
+    assert 'Train this model in FP32 (`learn.to_unmixed()`)' in top.reason and "keep_fp32=['auto', '1']" in top.reason, top.reason
+    assert top.kept_sensitivity > 8 * torch.finfo(torch.bfloat16).eps
+    ref = fit_once(offset_learner, None, epochs=3)
+    plain = fit_once(offset_learner, dict(dtype=torch.bfloat16), epochs=3)
+    auto,said = fit_said(offset_learner, dict(dtype=torch.bfloat16, keep_fp32='auto'), epochs=3)
+    end32 = ref.mean_loss(False, 4)
+    # what the report says is so: plain bfloat16 and 'auto' end far from FP32 ...
+    assert rel(plain.mean_loss(False, 4), end32) > 0.5 and rel(auto.mean_loss(False, 4), end32) > 0.5, (plain.mean_loss(False, 4), auto.mean_loss(False, 4), end32)
+    assert len(said) == 1 and 'is not enough for this model' in said[0] and 'Train it in FP32 (`learn.to_unmixed()`)' in said[0], said
+    # ... and the other remedy it names works: what makes the inputs kept too, nothing is left to flag
+    assert set(offset_learner().precision_report(torch.bfloat16, keep_fp32=['1']).verdict) == {'fine'}
+    both = fit_once(offset_learner, dict(dtype=torch.bfloat16, keep_fp32=['auto', '1']), epochs=3)
+    assert rel(both.mean_loss(False, 4), end32) < 0.02, (both.mean_loss(False, 4), end32)
