@@ -69,7 +69,12 @@ def _floats(x) -> list:
     if isinstance(x, (list, tuple)): return [t for o in x for t in _floats(o)]
     return []
 
-def _top(x:Tensor) -> Tensor: return (_plain(x).float().view(torch.int32) & 0x7fffffff).max() # |x|'s largest, as bits: their order is the magnitudes'
+_fill_bits = (127 + 64) << 23 # |x| >= 2**64, as FP32's bits: a mask's fill (-inf, `finfo(float32).min`, -1e30), no activation
+
+def _top(x:Tensor) -> Tensor:
+    "The largest magnitude in `x` below 2**64, as FP32's bits (their order is the magnitudes'): a mask's fill is not arithmetic"
+    bits = _plain(x).float().view(torch.int32) & 0x7fffffff
+    return bits.masked_fill(bits >= _fill_bits, 0).max()
 
 def _op_name(func) -> str:
     "`mul` for `torch.mul`, `Tensor.mul_`, `Tensor.__mul__` and `Tensor.__rmul__`"

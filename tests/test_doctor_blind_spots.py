@@ -147,3 +147,23 @@ def test_when_keeping_is_not_enough_the_doctor_says_to_train_in_fp32():
     assert set(offset_learner().precision_report(torch.bfloat16, keep_fp32=['1']).verdict) == {'fine'}
     both = fit_once(offset_learner, dict(dtype=torch.bfloat16, keep_fp32=['auto', '1']), epochs=3)
     assert rel(both.mean_loss(False, 4), end32) < 0.02, (both.mean_loss(False, 4), end32)
+
+# ---- what the own arithmetic does not count: a mask's fill
+
+class MaskedAttention(nn.Module):
+    "Scores masked with -inf and with float32's lowest, as attention code does: FP32's own fills, no 16-bit overflow"
+    def forward(self, x):
+        mask = torch.zeros_like(x, dtype=torch.bool)
+        mask[:, -4:] = True
+        s = x.masked_fill(mask, float('-inf')).softmax(-1)
+        return s + torch.where(mask, torch.finfo(torch.float32).min, 0.).clamp_min(-1.)
+
+def masked_learner():
+    learn = synth_learner()
+    torch.manual_seed(0)
+    learn.model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), MaskedAttention(), nn.Linear(32, 2))
+    return learn
+
+def test_a_masks_fill_is_not_an_overflow():
+    rep = masked_learner().precision_report(torch.float16)
+    assert set(rep.verdict) == {'fine'}, rep[['module', 'verdict', 'reason']]
