@@ -151,12 +151,13 @@ class PrecisionProbe:
         "Queue the largest magnitude `func` made, for the innermost measured module running it (not a kept one's, in FP32)"
         if self._rerunning or self._busy: return
         where = self._running[-1] if self._running else '' # outside every measured module: the model's own forward
-        xs = [x for x in _floats(out) if x.layout == torch.strided and x.device == self.device]
+        xs = [x for x in _floats(out) if x.layout == torch.strided and not x.is_nested and x.device == self.device]
         op = _op_name(func)
         if where is None or not xs or op in _unset: return
-        slot = self.own.setdefault((where, op), len(self.own))
-        self._pending['own_tops'] += [_top(x) for x in xs]
-        self._pending['own_slots'] += [slot] * len(xs)
+        try: tops = [_top(x) for x in xs]
+        except RuntimeError: return # (a tensor whose bits cannot be viewed, as a functorch transform's: not counted, the forward goes on)
+        self._pending['own_tops'] += tops
+        self._pending['own_slots'] += [self.own.setdefault((where, op), len(self.own))] * len(xs)
 
     def _flush(self) -> None:
         "Add the batch's queue to the statistics: one `index_add_` and a few `scatter_reduce_` for all modules"
