@@ -6,7 +6,7 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/doctor.html.md"""
 
 # %% ../nbs/07_doctor.ipynb #01b42053
 from __future__ import annotations
-import contextlib, math, random, re, warnings
+import contextlib, math, random, re, warnings, weakref
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ from torch.nn.utils.parametrize import ParametrizationList, is_parametrized
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 from fastai.basics import Learner, patch, L
-from .cast import always_fp32, as_16bit_dtype, cast_model, cast_floats, cast_summary, kept_tops, KeptFor, CastRole
+from .cast import always_fp32, as_16bit_dtype, cast_model, cast_floats, cast_summary, kept_tops, keeps_fp32, KeptFor, CastRole
 from .scaler import LossScaler
 from .callback import MasterMixedPrecision
 from .distributed import world_size
@@ -42,16 +42,19 @@ def measured_modules(
     model:nn.Module, # The FP32 model
     dtype:torch.dtype=torch.float16, # The 16-bit type
     keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
-) -> dict: # name -> 'owns' cast parameters, 'holds' modules that do, or 'computes' (no cast parameter in it), in `named_modules` order
-    "The modules the doctor measures: every module that computes in 16 bits, the model aside"
+) -> dict: # name -> 'owns' cast parameters, 'holds' modules that do, 'computes' (no cast parameter in it), or 'normalizes' (in FP32, on 16-bit inputs), in `named_modules` order
+    "The modules the doctor measures: every module that computes in 16 bits or on 16-bit inputs, the model aside"
     s = cast_summary(model, dtype, keep)
     owners = {_owner(model, n) for n in s.module[s.forward != 'float32']}
     above = {'.'.join(n.split('.')[:i]) for n in owners for i in range(1, n.count('.') + 1)}
-    fp32 = {id(o) for m in kept_tops(model, keep) for o in m.modules()}
+    tops = kept_tops(model, keep)
+    norms = {id(m) for n,m in model.named_modules() if m in tops and keeps_fp32(n, m)} # (kept for normalizing: they take 16-bit inputs)
+    fp32 = {id(o) for m in tops for o in m.modules()}
     weights = {id(o) for m in model.modules() if is_parametrized(m) for o in m.parametrizations.modules()} # (judged in their module)
     def role(n, m):
         if n in owners: return 'owns'
         if n in above: return 'holds'
+        if id(m) in norms: return 'normalizes'
         if id(m) in fp32 or id(m) in weights or isinstance(m, (nn.ModuleList, nn.ModuleDict)): return None # (the last two: no forward)
         return 'computes'
     return {n:r for n,m in model.named_modules() if n and (r := role(n, m))}
@@ -117,7 +120,7 @@ class PrecisionProbe:
         self._pending = _queue()
         self.failed = {} # name -> the error the module's 16-bit forward raised
         self.outs = [] # (name, output) of the batch being measured, for the backward
-        self.makers,self._made = {},{} # name -> the measured modules whose outputs it takes; id(output) -> (its module, it), this batch
+        self.makers,self._made = {},{} # name -> the modules whose arithmetic made its inputs ('' the model's); id(tensor) -> (that module, weakref), this batch
         self._fp32 = {} # id -> tensor of this batch that stays FP32 in the fit: the model's inputs, what FP32 layers make of them
         self.cast = cast_model(model, dtype, keep) # off: only the 16-bit reruns switch it on
         self._rerunning,self._busy,self._rng,self._running = False,False,{},[] # `_running`: measured modules (None: a kept one) in their forward, innermost last
@@ -158,6 +161,12 @@ class PrecisionProbe:
         except RuntimeError: return # (a tensor whose bits cannot be viewed, as a functorch transform's: not counted, the forward goes on)
         self._pending['own_tops'] += tops
         self._pending['own_slots'] += [self.own.setdefault((where, op), len(self.own))] * len(xs)
+        self._made.update({id(x):(where, weakref.ref(x)) for x in xs}) # (an in-place op: the module that wrote it last)
+
+    def _maker(self, x:Tensor) -> str|None:
+        "The module whose own arithmetic made `x` in this batch ('' the model's), if any"
+        e = self._made.get(id(x))
+        return e[0] if e is not None and e[1]() is x else None
 
     def _flush(self) -> None:
         "Add the batch's queue to the statistics: one `index_add_` and a few `scatter_reduce_` for all modules"
@@ -194,8 +203,8 @@ class PrecisionProbe:
             try:
                 ins,outs = _floats((args, kwargs)),_floats(out)
                 self._count(name, 'in', ins)
-                self.makers.setdefault(name, set()).update(self._made[id(x)][0] for x in ins if id(x) in self._made)
-                self._made.update({id(o):(name, o) for o in outs}) # (a block's output, its last layer's too: the block makes it)
+                self.makers.setdefault(name, set()).update(m for m in map(self._maker, ins) if m is not None)
+                self._made.update({id(o):(name, weakref.ref(o)) for o in outs if self._maker(o) is None}) # (else made inside it: that one)
                 if self.owns[name] == 'computes' and ins and all(id(x) in self._fp32 for x in ins): self._fp32.update({id(o):o for o in outs})
                 self._count(name, 'act', outs)
                 self.outs += [(name, o) for o in outs if o.requires_grad]
@@ -219,7 +228,7 @@ class PrecisionProbe:
         (rng,attrs),now = self._rng.pop(name),(_rng_state(dev), _attrs(m))
         def as_fit(f): # each floating-point input as the fit hands it on: in 16 bits, unless made in FP32
             return lambda x: x if not isinstance(x, Tensor) or not x.is_floating_point() or id(x) in self._fp32 else f(x)
-        if self.owns[name] == 'computes': args,kwargs = tree_map(as_fit(lambda x: x.to(self.dtype)), (args, kwargs))
+        if self.owns[name] in ('computes', 'normalizes'): args,kwargs = tree_map(as_fit(lambda x: x.to(self.dtype)), (args, kwargs))
         rounded = tree_map(as_fit(lambda x: x.to(self.dtype).float()), (args, kwargs))
         self._rerunning = True
         try:
@@ -272,6 +281,8 @@ class PrecisionProbe:
             if isinstance(e, RuntimeError) and _clash.search(str(e)):
                 return 'keep FP32',f"its forward mixes dtypes: in {t} it raises \"{first}\"",'forward mixes dtypes'
             return 'keep FP32',f"its forward fails in {t}: \"{first}\"",'forward fails in 16 bits'
+        # a normalization computes in FP32 already: an overflow it receives is judged where it is made, its own error here
+        if self.owns[name] == 'normalizes': return None if r['in_headroom'] < headroom_min else self._sensitivity_verdict(name, r)
         # the inputs first: a module that receives an overflow is kept, and so is the one that makes it (its own arithmetic)
         for side,v,room in (('inputs','in_max','in_headroom'), (f"own `{r['own_op']}`",'own_max','own_headroom'), ('activations','act_max','act_headroom')):
             if r[room] < headroom_min:
@@ -280,14 +291,20 @@ class PrecisionProbe:
         under = max(r['in_underflow'], r['act_underflow'])
         if under > underflow_max:
             return 'keep FP32',f"underflow: {under:.0%} of its nonzero activations fall below {t}'s smallest normal {fi.smallest_normal:.3g}",'underflow'
+        return self._sensitivity_verdict(name, r)
+
+    def _sensitivity_verdict(self, name:str, r:dict) -> tuple|None: # (verdict, reason, 'sensitivity'), or None: fine
+        t,fi = str(self.dtype).split('.')[1],torch.finfo(self.dtype)
         if not r['sensitivity'] <= sensitivity_max * fi.eps: # (NaN too)
             said = f"sensitivity: its {t} output is {r['sensitivity']:.2g} off FP32's ({r['sensitivity'] / fi.eps:.0f} epsilons of {t})"
             if not r['kept_sensitivity'] <= sensitivity_max * fi.eps: # in FP32 it still loses: its inputs, rounded to 16 bits, lack what it needs
-                makers = sorted(self.makers.get(name, ()))
-                also = f", or keep what makes its inputs too: keep_fp32=['auto', {', '.join(map(repr, makers))}]" if makers else ''
-                return ('train in FP32',f"{said}, and kept in FP32 on its {t} inputs still {r['kept_sensitivity']:.2g}: keeping it does not bring it "
-                        f"within reach of FP32, its inputs lose what it needs when rounded to {t}. Train this model in FP32 "
-                        f"(`learn.to_unmixed()`){also}",'sensitivity')
+                said += f", and in FP32 on its {t} inputs still {r['kept_sensitivity']:.2g}: they lose what it needs when rounded to {t}"
+                makers = r['inputs_from']
+                if makers and '' not in makers:
+                    return 'keep FP32',f"{said}, so what makes them is kept too: {', '.join(f'`{m}`' for m in makers)}",'sensitivity'
+                by = "the model's own forward makes them, which no module keeps" if makers else 'no module the doctor measures makes them'
+                return ('train in FP32',f"{said}, and {by}: keeping does not bring it within reach of FP32. Train this model in FP32 "
+                        "(`learn.to_unmixed()`)" + (", or move what makes its inputs into a module of its own" if makers else ''),'sensitivity')
             return 'keep FP32',said,'sensitivity'
         return None
 
@@ -341,7 +358,8 @@ class PrecisionProbe:
             op,own_max = own.get(name, ('', 0.))
             r = dict(in_max=o[0, 0], in_headroom=_bits(big, o[0, 0]), in_underflow=in_under, act_max=o[1, 0], act_headroom=_bits(big, o[1, 0]),
                      act_floor=_floor(o[1, 1:-1], big, 1.), act_overflow=act_over, act_underflow=act_under, own_op=op, own_max=own_max,
-                     own_headroom=_bits(big, own_max), sensitivity=sens, kept_sensitivity=kept_sens)
+                     own_headroom=_bits(big, own_max), sensitivity=sens, kept_sensitivity=kept_sens,
+                     inputs_from=tuple(sorted(self.makers.get(name, ()))))
             firsts[name] = self._forward_verdict(name, r)
             if name in runs_in: r['sensitivity'] = r['kept_sensitivity'] = math.nan # (not measured alone)
             rows.append((name, o, r))
@@ -413,7 +431,7 @@ def _floor(h:np.ndarray, big:float, scale:float, share:float=underflow_max) -> f
 _order = {'train in FP32':0, 'keep FP32':1, 'needs loss scaling':2, 'fine':3}
 _columns = ['module', 'type', 'verdict', 'reason', 'in_max', 'in_headroom', 'in_underflow', 'act_max', 'act_headroom', 'act_floor',
             'act_overflow', 'act_underflow', 'own_op', 'own_max', 'own_headroom', 'grad_max', 'grad_headroom', 'grad_floor', 'grad_overflow', 'grad_underflow',
-            'sensitivity', 'kept_sensitivity', 'keep_as']
+            'sensitivity', 'kept_sensitivity', 'inputs_from', 'keep_as']
 
 # %% ../nbs/07_doctor.ipynb #26fe011e
 class _Untouched:
@@ -531,14 +549,18 @@ def plot_headroom(
 def auto_keep(
     report:'pd.DataFrame', # What `Learner.precision_report` returned
 ) -> tuple: # `KeptFor` entries for `keep`
-    "The modules of `report` to keep in FP32: each flagged one whose own arithmetic overflows, and each other with no flagged module inside it"
+    "The modules of `report` to keep in FP32: each flagged one whose own arithmetic overflows, each other with no flagged module inside it, and what makes the inputs of one whose inputs lose what it needs"
     flagged = report[report.verdict.isin(('keep FP32', 'train in FP32')) & (report.module != '')] # (not the model: all of it in FP32 is no mixed precision)
     names = list(flagged.module)
     makes = set(flagged.module[(flagged.own_headroom < headroom_min) & ~(flagged.in_headroom < headroom_min)]) # an overflow, not one it received
     inner = lambda n: any(o != n and o.startswith(n + '.') for o in names)
-    picked = [n for n in names if n in makes or not inner(n)]
+    picked = {n:w for n,w in zip(flagged.module, flagged.keep_as) if n in makes or not inner(n)}
+    eps = torch.finfo(report.attrs.get('dtype', torch.float16)).eps
+    for row in flagged.itertuples(): # (their inputs lose what it needs when rounded: the layers that make them, kept, hand them on in FP32)
+        if row.keep_as == 'sensitivity' and not row.kept_sensitivity <= sensitivity_max * eps and '' not in row.inputs_from:
+            for m in row.inputs_from: picked.setdefault(m, 'sensitivity')
     within = lambda n: any(n.startswith(o + '.') for o in picked) # (kept with the module that holds it)
-    return tuple(KeptFor(n, w) for n,w in zip(flagged.module, flagged.keep_as) if n in picked and not within(n))
+    return tuple(KeptFor(n, w) for n,w in picked.items() if not within(n))
 
 # %% ../nbs/07_doctor.ipynb #1c5d2bd4
 def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype) -> None:

@@ -113,40 +113,78 @@ def test_an_operation_in_the_models_own_forward_is_said_to_need_fp32():
     assert '' not in {k.name for k in auto.learn.cbs[-1].auto_kept} # the model itself is never kept: that is no mixed precision
     assert len(said) == 1 and 'not enough for this model' in said[0] and 'learn.to_unmixed()' in said[0], said
 
-# ---- a layer that keeping in FP32 does not bring back: bfloat16's precision loses before it
+# ---- a layer whose inputs lose what it needs when rounded to 16 bits: kept with what makes them, or FP32
 
 class Center(nn.Module):
     "Subtracts a fixed level, no parameter: the difference of large, nearly equal numbers"
     def __init__(self, level=256.): super().__init__(); self.level = level
     def forward(self, x): return x - self.level
 
-def offset_learner():
-    "A Linear whose outputs ride on a level of 256, which the next module takes away: bfloat16 (ulp 2 at 256) rounds the signal off"
+def on_a_level(after):
+    "A Linear whose outputs ride on a level of 256, then a module made by `after`: bfloat16 (2 apart at 256) rounds the signal off before it"
+    def make():
+        learn = synth_learner()
+        torch.manual_seed(0)
+        lin = nn.Linear(64, 32)
+        with torch.no_grad(): lin.bias.add_(256.)
+        learn.model = nn.Sequential(nn.Flatten(), lin, after(), nn.ReLU(), nn.Linear(32, 2))
+        return learn
+    return make
+
+offset_learner,batchnorm_learner = on_a_level(Center),on_a_level(lambda: nn.BatchNorm1d(32)) # BatchNorm: always FP32, on bfloat16 inputs
+
+@pytest.mark.parametrize('make', [offset_learner, batchnorm_learner], ids=['parameterless', 'BatchNorm'])
+def test_a_layer_whose_inputs_lose_what_it_needs_is_kept_with_what_makes_them(make):
+    rep = make().precision_report(torch.bfloat16)
+    top = rep.iloc[0]
+    assert (top.module, top.verdict) == ('2', 'keep FP32') and top.inputs_from == ('1',), rep[['module', 'verdict', 'reason']]
+    assert top.reason.startswith('sensitivity') and 'so what makes them is kept too: `1`' in top.reason, top.reason
+    assert top.kept_sensitivity > 8 * torch.finfo(torch.bfloat16).eps # in FP32 on bfloat16 inputs it still loses
+    ref = fit_once(make, None, epochs=3)
+    plain = fit_once(make, dict(dtype=torch.bfloat16), epochs=3)
+    auto,said = fit_said(make, dict(dtype=torch.bfloat16, keep_fp32='auto'), epochs=3)
+    end32 = ref.mean_loss(False, 4)
+    assert rel(plain.mean_loss(False, 4), end32) > 0.5, (plain.mean_loss(False, 4), end32)
+    assert {k.name for k in auto.learn.cbs[-1].auto_kept} == {'1', '2'}, auto.learn.cbs[-1].auto_kept
+    assert rel(auto.mean_loss(False, 4), end32) < 0.02, (auto.mean_loss(False, 4), end32)
+    assert len(said) == 1 and '`1` (' in said[0], said
+
+class Level(nn.Module):
+    "Adds the level of 256: the remedy, the addition in a module of its own"
+    def forward(self, x): return x + 256.
+
+class LevelInTheModel(nn.Module):
+    "The level added in the model's own forward, outside every module: no module to keep that makes it"
+    def __init__(self, wrapped=False):
+        super().__init__()
+        self.lin,self.center,self.head = nn.Linear(64, 32),Center(),nn.Linear(32, 2)
+        self.level = Level() if wrapped else None
+    def forward(self, x):
+        h = self.lin(x.flatten(1))
+        return self.head(torch.relu(self.center(self.level(h) if self.level is not None else h + 256.)))
+
+def level_in_the_model(wrapped=False):
     learn = synth_learner()
     torch.manual_seed(0)
-    lin = nn.Linear(64, 32)
-    with torch.no_grad(): lin.bias.add_(256.)
-    learn.model = nn.Sequential(nn.Flatten(), lin, Center(), nn.ReLU(), nn.Linear(32, 2))
+    learn.model = LevelInTheModel(wrapped)
     return learn
 
 def test_when_keeping_is_not_enough_the_doctor_says_to_train_in_fp32():
-    rep = offset_learner().precision_report(torch.bfloat16)
+    rep = level_in_the_model().precision_report(torch.bfloat16)
     top = rep.iloc[0]
-    assert (top.module, top.verdict) == ('2', 'train in FP32'), rep[['module', 'verdict', 'reason']]
-    assert top.reason.startswith('sensitivity') and 'keeping it does not bring it within reach of FP32' in top.reason, top.reason
-    assert 'Train this model in FP32 (`learn.to_unmixed()`)' in top.reason and "keep_fp32=['auto', '1']" in top.reason, top.reason
-    assert top.kept_sensitivity > 8 * torch.finfo(torch.bfloat16).eps
-    ref = fit_once(offset_learner, None, epochs=3)
-    plain = fit_once(offset_learner, dict(dtype=torch.bfloat16), epochs=3)
-    auto,said = fit_said(offset_learner, dict(dtype=torch.bfloat16, keep_fp32='auto'), epochs=3)
+    assert (top.module, top.verdict) == ('center', 'train in FP32'), rep[['module', 'verdict', 'reason']]
+    assert "the model's own forward makes them, which no module keeps" in top.reason, top.reason
+    assert 'Train this model in FP32 (`learn.to_unmixed()`)' in top.reason and 'into a module of its own' in top.reason, top.reason
+    ref = fit_once(level_in_the_model, None, epochs=3)
+    auto,said = fit_said(level_in_the_model, dict(dtype=torch.bfloat16, keep_fp32='auto'), epochs=3)
     end32 = ref.mean_loss(False, 4)
-    # what the report says is so: plain bfloat16 and 'auto' end far from FP32 ...
-    assert rel(plain.mean_loss(False, 4), end32) > 0.5 and rel(auto.mean_loss(False, 4), end32) > 0.5, (plain.mean_loss(False, 4), auto.mean_loss(False, 4), end32)
+    assert rel(auto.mean_loss(False, 4), end32) > 0.5, (auto.mean_loss(False, 4), end32) # what the report says is so
     assert len(said) == 1 and 'is not enough for this model' in said[0] and 'Train it in FP32 (`learn.to_unmixed()`)' in said[0], said
-    # ... and the other remedy it names works: what makes the inputs kept too, nothing is left to flag
-    assert set(offset_learner().precision_report(torch.bfloat16, keep_fp32=['1']).verdict) == {'fine'}
-    both = fit_once(offset_learner, dict(dtype=torch.bfloat16, keep_fp32=['auto', '1']), epochs=3)
-    assert rel(both.mean_loss(False, 4), end32) < 0.02, (both.mean_loss(False, 4), end32)
+    # the other remedy it names works: the addition in a module of its own, which 'auto' then keeps with `center`
+    wrapped = lambda: level_in_the_model(wrapped=True)
+    auto,said = fit_said(wrapped, dict(dtype=torch.bfloat16, keep_fp32='auto'), epochs=3)
+    assert {k.name for k in auto.learn.cbs[-1].auto_kept} == {'level', 'center'}, auto.learn.cbs[-1].auto_kept
+    assert rel(auto.mean_loss(False, 4), end32) < 0.02, (auto.mean_loss(False, 4), end32)
 
 # ---- what the own arithmetic does not count: a mask's fill
 

@@ -256,7 +256,7 @@ def test_report_leaves_everything_untouched(dtype):
     learn = trained_learner()
     before = _state(learn)
     rep = learn.precision_report(dtype)
-    assert len(rep) == 5 # every module but the BatchNorm, kept in FP32
+    assert len(rep) == 6 # every module
     assert not _same(before, _state(learn)), _same(before, _state(learn))
 
 class FailOn:
@@ -295,7 +295,7 @@ def test_report_reads_the_device_once():
         torch.manual_seed(0)
         learn.model = nn.Sequential(nn.Flatten(), *[nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU()) for _ in range(n_blocks)], nn.Linear(64, 2))
         with count_syncs() as counts: rep = learn.precision_report(torch.float16, n_batches=3)
-        assert len(rep) == 3 * n_blocks + 2 # the Flatten, each block, its Linear and ReLU (the LayerNorm is kept), the head
+        assert len(rep) == 4 * n_blocks + 2 # the Flatten, each block and its three layers, the head
         return counts
     few,many = syncs(2),syncs(20)
     assert few == many and few['tolist'] == 1 and sum(few.values()) <= 2, (few, many)
