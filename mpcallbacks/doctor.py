@@ -48,7 +48,8 @@ def measured_modules(
     owners = {_owner(model, n) for n in s.module[s.forward != 'float32']}
     above = {'.'.join(n.split('.')[:i]) for n in owners for i in range(1, n.count('.') + 1)}
     tops = kept_tops(model, keep)
-    norms = {id(m) for n,m in model.named_modules() if m in tops and keeps_fp32(n, m)} # (kept for normalizing: they take 16-bit inputs)
+    top_ids = {id(m) for m in tops}
+    norms = {id(m) for n,m in model.named_modules() if id(m) in top_ids and keeps_fp32(n, m)} # (kept for normalizing: they take 16-bit inputs)
     fp32 = {id(o) for m in tops for o in m.modules()}
     weights = {id(o) for m in model.modules() if is_parametrized(m) for o in m.parametrizations.modules()} # (judged in their module)
     def role(n, m):
@@ -315,7 +316,7 @@ class PrecisionProbe:
                   f"{_num(fi.max)}: no module keeps it in FP32. Move that operation into a module of its own (keep_fp32='auto' then "
                   "keeps it), or train this model in FP32 (`learn.to_unmixed()`)")
         return dict(module='', type=type(self.model).__name__, verdict='train in FP32', reason=reason, own_max=top,
-                    own_headroom=_bits(torch.finfo(self.dtype).max, top), keep_as='')
+                    own_headroom=_bits(torch.finfo(self.dtype).max, top), inputs_from=(), keep_as='')
 
     def _grad_verdict(self, r:dict) -> tuple: # (verdict, reason, '')
         t = str(self.dtype).split('.')[1]
@@ -566,6 +567,8 @@ def auto_keep(
 def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype) -> None:
     "One warning: what 'auto' keeps in FP32 and why, whether that is not enough (then: FP32), and the loss scale if gradients underflow"
     t,why = str(dtype).split('.')[1],dict(zip(report.module, report.reason))
+    for n,made in zip(report.module, report.inputs_from): # a layer kept for what it makes
+        for m in made: why[m] = why.get(m) or f"it makes the inputs of `{n}`, which lose what it needs in {t}"
     msg = [f"to_mixed(keep_fp32='auto') keeps in FP32 what {t} would break: " + '; '.join(f"`{k.name}` ({why[k.name]})" for k in kept)
            + ' (see learn.mixed_summary()).'] if kept else []
     fp32 = report[report.verdict == 'train in FP32']
