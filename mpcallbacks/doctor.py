@@ -15,7 +15,7 @@ from torch.nn.utils.parametrize import ParametrizationList, is_parametrized
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 from fastai.basics import Learner, patch, L
-from .cast import always_fp32, as_16bit_dtype, cast_model, cast_floats, cast_summary, kept_tops, keeps_fp32, KeptFor, CastRole
+from .cast import always_fp32, as_16bit_dtype, cast_model, cast_floats, cast_summary, kept_tops, keeps_fp32, check_castable, KeptFor, CastRole
 from .scaler import LossScaler
 from .callback import MasterMixedPrecision
 from .distributed import world_size
@@ -124,6 +124,7 @@ class PrecisionProbe:
         self.makers,self._made = {},{} # name -> the modules whose arithmetic made its inputs ('' the model's); id(tensor) -> (that module, weakref), this batch
         self._fp32 = {} # id -> tensor of this batch that stays FP32 in the fit: the model's inputs, what FP32 layers make of them
         self.cast = cast_model(model, dtype, keep) # off: only the 16-bit reruns switch it on
+        self._given = {} # name -> the inputs of a module that overwrites them (`inplace=True`), as they were
         self._rerunning,self._busy,self._rng,self._running = False,False,{},[] # `_running`: measured modules (None: a kept one) in their forward, innermost last
         mods = dict(model.named_modules())
         try:
@@ -192,8 +193,10 @@ class PrecisionProbe:
         "Keep the random state and the attributes of the module and its children as the forward starts, for the rerun"
         def hook(m, args):
             if self._rerunning: return
-            self._rng[name] = (_rng_state(self.device), _attrs(m))
+            self._rng[name] = (_rng_state(self.device), _attrs(m), [x._version for x in _floats(args)])
             self._running.append(name)
+            if getattr(m, 'inplace', False): # (torch's activations, dropouts): its forward overwrites its input, which the rerun needs
+                with torch.no_grad(): self._given[name] = tree_map(lambda x: x.clone() if isinstance(x, Tensor) and x.is_floating_point() else x, args)
         return hook
 
     def _after(self, name:str):
@@ -202,14 +205,19 @@ class PrecisionProbe:
             self._running.pop()
             self._busy = True # (what the hook computes is not the module's arithmetic)
             try:
+                given = self._given.pop(name, None)
                 ins,outs = _floats((args, kwargs)),_floats(out)
-                self._count(name, 'in', ins)
+                self._count(name, 'in', ins if given is None else _floats(given))
                 self.makers.setdefault(name, set()).update(m for m in map(self._maker, ins) if m is not None)
                 self._made.update({id(o):(name, weakref.ref(o)) for o in outs if self._maker(o) is None}) # (else made inside it: that one)
                 if self.owns[name] == 'computes' and ins and all(id(x) in self._fp32 for x in ins): self._fp32.update({id(o):o for o in outs})
                 self._count(name, 'act', outs)
                 self.outs += [(name, o) for o in outs if o.requires_grad]
-                if name not in self.failed: self._rerun(name, m, args, kwargs, outs)
+                # its input written in place (by a child: an inplace dropout first in a block) or its output a view of it: not rerun
+                gone = given is None and ([x._version for x in _floats(args)] != self._rng[name][2] or
+                                          any(o.data_ptr() == x.data_ptr() for o in outs for x in ins))
+                if gone: del self._rng[name]
+                if name not in self.failed and not gone: self._rerun(name, m, args if given is None else given, kwargs, outs)
             finally: self._busy = False
             return None
         return hook
@@ -226,11 +234,12 @@ class PrecisionProbe:
         """Rerun `m` in 16 bits on the same input, random state and attributes, and once more in FP32 on its inputs rounded to
         16 bits (as the fit hands them to a module it keeps); keep the largest relative error of each output"""
         dev = self.device
-        (rng,attrs),now = self._rng.pop(name),(_rng_state(dev), _attrs(m))
-        def as_fit(f): # each floating-point input as the fit hands it on: in 16 bits, unless made in FP32
-            return lambda x: x if not isinstance(x, Tensor) or not x.is_floating_point() or id(x) in self._fp32 else f(x)
-        if self.owns[name] in ('computes', 'normalizes'): args,kwargs = tree_map(as_fit(lambda x: x.to(self.dtype)), (args, kwargs))
-        rounded = tree_map(as_fit(lambda x: x.to(self.dtype).float()), (args, kwargs))
+        (rng,attrs,_),now = self._rng.pop(name),(_rng_state(dev), _attrs(m))
+        def inputs(f): # copies (a rerun may write its inputs in place: an inplace dropout), each as `f` makes it unless made in FP32
+            return tree_map(lambda x: x if not isinstance(x, Tensor) or not x.is_floating_point() else
+                            x.detach().clone() if id(x) in self._fp32 else f(x.detach()), (args, kwargs))
+        sixteen = self.owns[name] in ('computes', 'normalizes') # (the cast casts the inputs of the others)
+        (args,kwargs),rounded = inputs(lambda x: x.to(self.dtype) if sixteen else x.clone()),inputs(lambda x: x.to(self.dtype).float())
         self._rerunning = True
         try:
             _set_rng_state(rng, dev)
@@ -564,7 +573,7 @@ def auto_keep(
     return tuple(KeptFor(n, w) for n,w in picked.items() if not within(n))
 
 # %% ../nbs/07_doctor.ipynb #1c5d2bd4
-def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype) -> None:
+def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype, whole:bool=False) -> None:
     "One warning: what 'auto' keeps in FP32 and why, whether that is not enough (then: FP32), and the loss scale if gradients underflow"
     t,why = str(dtype).split('.')[1],dict(zip(report.module, report.reason))
     for n,made in zip(report.module, report.inputs_from): # a layer kept for what it makes
@@ -578,6 +587,8 @@ def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype) -> None:
         msg.append(f"to_mixed(keep_fp32='auto') is not enough for this model: what it keeps does not bring "
                    + ', '.join('the model' if m == '' else f'`{m}`' for m in fp32.module) + " within reach of FP32. "
                    f"Train it in FP32 (`learn.to_unmixed()`){': ' + rest if rest else ''}.")
+    if whole: msg.append(f"Keeping all it flags would keep every layer in FP32, so the largest stay in {t}: train this model in FP32 "
+                         "(`learn.to_unmixed()`) if the fit does not train as FP32 does.")
     scaling = report[report.verdict == 'needs loss scaling']
     if len(scaling): msg.append(f"The gradients of {len(scaling)} cast module(s) need loss scaling: {scaling.reason.iloc[0]}.")
     if msg: warnings.warn(' '.join(msg), stacklevel=4)
@@ -601,6 +612,14 @@ def auto_fp32(
 ) -> tuple: # `KeptFor` entries: what to keep in FP32 besides `keep`, the same on every rank
     "Measure the model and name what its 16-bit type would break; one warning says what and why"
     rep = _report(learn, dtype, keep, loss_scale, dynamic, auto_batches)
-    kept = _agreed(learn, auto_keep(rep))
-    _say_kept(kept, rep, dtype)
+    kept,whole = _agreed(learn, auto_keep(rep)),False
+    sizes = {n:sum(p.numel() for p in m.parameters()) for n,m in learn.model.named_modules()}
+    while kept and not _castable(learn.model, keep + kept): # keeping all of it would be FP32 training: the largest flagged stays cast
+        whole,kept = True,tuple(sorted(kept, key=lambda k: sizes[k.name])[:-1])
+    _say_kept(kept, rep, dtype, whole)
     return kept
+
+def _castable(model:nn.Module, keep:tuple) -> bool:
+    try: check_castable(model, keep)
+    except ValueError: return False
+    return True

@@ -205,3 +205,33 @@ def masked_learner():
 def test_a_masks_fill_is_not_an_overflow():
     rep = masked_learner().precision_report(torch.float16)
     assert set(rep.verdict) == {'fine'}, rep[['module', 'verdict', 'reason']]
+
+# ---- modules that write their input in place, and a model 'auto' would keep whole
+
+class DropFirst(nn.Module):
+    "A block whose first layer overwrites the block's input in place (torchvision's classifiers: Dropout(inplace=True), Linear)"
+    def __init__(self): super().__init__(); self.drop,self.lin = nn.Dropout(0.2, inplace=True),nn.Linear(32, 32)
+    def forward(self, x): return self.lin(self.drop(x))
+
+def inplace_learner():
+    learn = synth_learner()
+    torch.manual_seed(0)
+    learn.model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.SiLU(inplace=True), DropFirst(), nn.ReLU(inplace=True), nn.Linear(32, 2))
+    return learn
+
+def test_modules_that_write_their_input_in_place_are_judged_on_it_as_it_was():
+    rep = inplace_learner().precision_report(torch.bfloat16)
+    assert set(rep.verdict) == {'fine'}, rep[['module', 'verdict', 'reason']]
+    assert (rep.sensitivity < 2 * torch.finfo(torch.bfloat16).eps).all(), rep[['module', 'sensitivity']]
+
+def all_flagged():
+    "Its one cast layer receives what a gain makes from the data: keeping all that is flagged leaves nothing to cast"
+    learn = synth_learner()
+    torch.manual_seed(0)
+    learn.model = nn.Sequential(nn.Flatten(), Gain(3e4), nn.Linear(64, 2))
+    return learn
+
+def test_auto_never_keeps_the_whole_model():
+    run,said = fit_said(all_flagged, dict(dtype=torch.float16, keep_fp32='auto'), epochs=1)
+    assert [k.name for k in run.learn.cbs[-1].auto_kept] == ['1'] # the gain; the Linear stays cast
+    assert len(said) == 1 and 'would keep every layer in FP32' in said[0] and 'learn.to_unmixed()' in said[0], said
