@@ -131,3 +131,14 @@ def test_phases_move_only_along_their_transitions():
     with pytest.raises(RuntimeError, match='cannot go from IDLE to CLOSING'): mf._to(FitPhase.CLOSING)
     mf.close() # closing an idle fit is nothing
     assert mf.phase is FitPhase.IDLE
+
+def test_a_ctrl_c_while_the_cast_registers_leaves_no_global_hook(monkeypatch):
+    "A Ctrl-C after torch's global hooks are registered and before the cast's modules are: neither stays"
+    class Interrupted(dict):
+        def update(self, *args, **kwargs): raise KeyboardInterrupt
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    monkeypatch.setattr(cast, '_by_module', Interrupted())
+    with pytest.raises(KeyboardInterrupt): learn.fit(1, 1e-2)
+    monkeypatch.undo()
+    assert_at_rest(learn) # (torch's global hook registries included)
+    assert_fp32_and_intact(learn)
