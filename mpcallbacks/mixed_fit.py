@@ -35,6 +35,7 @@ class FitPhase(Enum):
         return {P.IDLE:{P.FITTING, P.INFERRING}, P.FITTING:{P.CLOSING}, P.INFERRING:{P.FITTING, P.CLOSING},
                 P.CLOSING:{P.IDLE}}[self]
 
+# %% ../nbs/03a_mixed_fit.ipynb #a7f3c2d1
 _step_events = ('before_step', 'after_step', 'after_cancel_step') # where a step the optimizer took is settled already
 
 class MixedFit:
