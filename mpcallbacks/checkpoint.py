@@ -100,11 +100,11 @@ def _alive(pid:int) -> bool:
     except PermissionError: return True
     return True
 
-def _drop_stale(path:Path) -> None:
-    "Remove the temporary files of `path` that a killed process left behind (POSIX: elsewhere `os.kill` would end it)"
+def _drop_stale(folder:Path) -> None:
+    "Remove the temporary files that killed saves left in `folder`, whatever file they were for (POSIX: elsewhere `os.kill` would end it)"
     if os.name != 'posix': return
-    for old in path.parent.glob(f'.{path.name}.*.tmp'):
-        pid = old.name[len(path.name)+2:-4]
+    for old in folder.glob('.?*.*.tmp'): # `.{name}.{pid}.tmp`, as `replacing_file` names them
+        pid = old.name[:-4].rpartition('.')[2]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)): old.unlink(missing_ok=True)
 
 def _disk_full(e:BaseException) -> bool:
@@ -118,7 +118,7 @@ def replacing_file(
     "A temporary file in `path`'s folder to write to; it becomes `path` only once written and flushed to the disk"
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _drop_stale(path)
+    _drop_stale(path.parent)
     tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
     try:
         try:
