@@ -248,10 +248,15 @@ class LossScaler:
     def load_state_dict(self,
         sd:dict, # What `state_dict` returned
     ) -> None:
-        "Restore the counters saved by `state_dict`, and the scale if both are dynamic: all of it, or nothing"
+        "Restore the count of skipped steps, and the scale with its counters where both scale alike (both dynamic, or the same static scale): all of it, or nothing"
         v = self.check_state_dict(sd)
-        if self.dynamic and v['dynamic']: self.scale,self.growth_tracker = _f32(v['scale']),v['growth_tracker']
-        self.skipped,self.consecutive_skips = v['skipped'],v['consecutive_skips']
+        self.skipped = v['skipped']
+        # A run of skips and a growth count were counted at the checkpoint's scale: they go on only where that scale does
+        if self.dynamic != v['dynamic'] or (not self.dynamic and _f32(v['scale']) != self.scale):
+            self.consecutive_skips,self._run_start = 0,None
+            return
+        if self.dynamic: self.scale,self.growth_tracker = _f32(v['scale']),v['growth_tracker']
+        self.consecutive_skips = v['consecutive_skips']
         # Where a saved run of skips began is not saved: at most the scale before its back-offs (the limit errs long)
         k = self.consecutive_skips
         self._run_start = None if not k else min(max_loss_scale, self.scale * math.exp(min(k * -math.log(self.backoff_factor), 700.)))
