@@ -210,6 +210,7 @@ class PrecisionProbe:
         "The scale to use: dynamic, or the power of two that leaves the model's largest gradient `headroom_min` below the top"
         if self.dynamic: return f"its gradients span more than {str(self.dtype).split('.')[1]}'s range: keep it in FP32 with keep_fp32"
         k = math.floor(math.log2(torch.finfo(self.dtype).max / self.grad_max) - headroom_min) if 0 < self.grad_max < math.inf else None
+        if k is not None and self.dtype == torch.float16 and 2.**k > 65504: k = None # (`to_mixed` refuses a static float16 scale above 65504)
         return "use loss_scale='dynamic'" + (f" (or a static 2**{k})" if k is not None else '')
 
     def read(self) -> 'pd.DataFrame': # A row per measured module, the riskiest first

@@ -88,3 +88,11 @@ def test_mixed_summary_refuses_a_by_reason_that_is_not_a_bool():
     learn = synth_learner().to_mixed(torch.bfloat16)
     with pytest.raises(TypeError, match=re.escape("by_reason must be True or False, got str 'no'")): learn.mixed_summary(by_reason='no')
     assert len(learn.mixed_summary(by_reason=True)) < len(learn.mixed_summary(by_reason=False))
+
+def test_the_doctor_never_advises_a_static_float16_scale_that_to_mixed_refuses():
+    from test_precision_doctor import tiny_loss_learner
+    rep = tiny_loss_learner().to_mixed(torch.float16, loss_scale=None).precision_report()
+    advised = [int(k) for k in re.findall(r'a static 2\*\*(\d+)', ' '.join(rep.reason))]
+    assert all(2.**k <= 65504 for k in advised), advised # it advised a static 2**44
+    for k in advised: tiny_loss_learner().to_mixed(torch.float16, loss_scale=2.**k)
+    assert "use loss_scale='dynamic'" in rep.reason[0]
