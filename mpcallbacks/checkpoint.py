@@ -276,7 +276,7 @@ def _opt_misfits(saved, opt, model:nn.Module) -> list: # What does not fit, a se
             return res + [f"the optimizer state's parameter groups hold {[a for a,_ in sizes]} parameters, the learner's optimizer's {[b for _,b in sizes]}"]
         index = [(i,p) for g,o in zip(groups, own) for i,p in zip(g['params'], o)]
         return res + _param_state_misfits([state.get(i, {}) for i,_ in index], [p for _,p in index], names)
-    # Another optimizer (a `Lookahead`...): its layout is its own, only its values are checked
+    # Another library's optimizer: its layout is its own, only its values are checked
     bad = _nonfinite_at(saved)
     return res + ([f"optimizer state with inf or NaN values: {_listed(bad)}"] if bad else [])
 
