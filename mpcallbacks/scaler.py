@@ -297,8 +297,8 @@ _f16_init_max = 2.**24 # The largest dynamic init_scale for float16: 8 back-offs
 def _check_float16_scales(scaler:LossScaler) -> None:
     "Refuse the scales float16's range makes useless: a static one above it, a dynamic start far above it, a floor below it"
     if scaler.dynamic and scaler.scale > _f16_init_max:
-        raise ValueError(f"init_scale={scaler.scale!r} is above 2**24 for float16: a scale that high fits only gradients below "
-                         f"2**-8, so the first steps are all skipped, one back-off each, until the scale is back within float16's "
+        raise ValueError(f"init_scale={scaler.scale!r} is above 2**24 for float16: a scale above 2**24 overflows every float16 "
+                         f"gradient of 2**-8 or more, so the first steps are all skipped, one back-off each, until the scale is within float16's "
                          f"range (its largest number is 65504). Use an init_scale up to 2**24 (the default is 2**16): the scale grows "
                          f"by itself as far as the gradients allow.")
     if not scaler.dynamic and scaler.scale > _f16_max:
