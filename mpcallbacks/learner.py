@@ -118,12 +118,7 @@ def _fit(self, *args, **kwargs):
     if not mine: return _fastai_fit(self, *args, **kwargs)
     for cb in mine:
         if isinstance(cb, MasterMixedPrecision): cb.measure_auto(self) # `keep_fp32='auto'`: measured before the first fit casts
-    with ExitStack() as stack:
+    with ExitStack() as stack: # (each ends its part however the fit ends; `MixedFit`'s raises a storm's error once every `after_fit` ran)
         for cb in mine: stack.enter_context(cb.running_fit())
-        res = _fastai_fit(self, *args, **kwargs)
-    for cb in mine:
-        if getattr(cb, 'stopped_by', None) is not None:
-            err,cb.stopped_by = cb.stopped_by,None
-            raise err
-    return res
+        return _fastai_fit(self, *args, **kwargs)
 Learner.fit = _fit

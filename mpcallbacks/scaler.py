@@ -42,6 +42,7 @@ class ScaleHistory:
 # %% ../nbs/01_scaler.ipynb #0172ec28
 _skips_at_floor = 25 # The default limit's margin: skips in a row at `min_scale` before the scaler gives up
 _max_growth = 2.**16 # The largest growth_factor
+_read_only_check = 2**16 # Gradients this large are checked by a read alone when the scale is 1 (a sum: measured 5.0 ms against 7.0 for the fused unscale's read and write, 16.8M FP32 gradients, one thread)
 
 class _Settled:
     "A field of the scaler's host state, read and written as it stands once the flags still on the device are recorded"
@@ -157,8 +158,13 @@ class LossScaler:
         flags = []
         for dev,gs in _by_device(grads).items():
             found = torch.zeros((), dtype=torch.float32, device=dev)
+            if not isinstance(inv, Tensor) and inv == 1: # a scale of 1 (bfloat16's): nothing to divide, so a large gradient is only read, by its sum (non-finite
+                # exactly when an element is inf or NaN, or when the sum itself overflows FP32, elements of about 1e31 and more)
+                large = [g for g in gs if g.numel() >= _read_only_check]
+                if large: found = torch.stack([g.sum() for g in large]).isfinite().all().logical_not().float()
+                gs = [g for g in gs if g.numel() < _read_only_check]
             inv_dev = inv.to(dev) if isinstance(inv, Tensor) else torch.full((), inv, dtype=torch.float32, device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv_dev)
+            if gs: torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv_dev)
             flags.append(found)
         return flags[0] if len(flags)==1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
 
