@@ -98,6 +98,7 @@ def mixed_summary(self:Learner,
     by_reason:bool=False, # Sum the parameters and bytes of the modules that share a reason
 ) -> 'pd.DataFrame': # A row per module with parameters of its own (or per reason)
     "Which layers `to_mixed` casts to 16 bits for the forward and which stay FP32, and why, with their sizes"
+    if not isinstance(by_reason, bool): raise TypeError(f"by_reason must be True or False, got {type(by_reason).__name__} {by_reason!r}")
     cbs = self._grab_cbs(MasterMixedPrecision)
     if not cbs: raise ValueError("mixed_summary() describes what `to_mixed()` does: call `learn.to_mixed()` first.")
     res = cast_summary(self.model, cbs[0].dtype, cbs[0].keep)

@@ -200,8 +200,10 @@ class MixedFit:
         if torch.stack([torch.isfinite(p).all().to(ps[0].device) for p in ps]).all().item():
             return ("The model holds the last good weights (BatchNorm running statistics, updated in the forward pass, may "
                     "have taken in the non-finite batches).")
-        return ("Some weights are themselves inf or NaN, which no step of mixed precision wrote (they were loaded, or written "
-                "by hand): load a good checkpoint.")
+        return ("Some weights are themselves inf or NaN. A step writes them when its gradients are finite and its update "
+                "is not (a learning rate that overflows float32, or an optimizer state holding inf/NaN, which `learn.load` "
+                "accepts and `learn.load_checked` refuses); else they were loaded or written by hand. Lower the learning "
+                "rate, or load a good checkpoint.")
 
     def close(self) -> None:
         "End the fit: the model runs in FP32, with no hook of ours; the scaler's flags read; nothing of the fit held. Idempotent, and a Ctrl-C in the middle finishes it before it is raised"
