@@ -7,12 +7,10 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/callback.html.md"""
 # %% ../nbs/03_callback.ipynb #fed1545d
 from __future__ import annotations
 import copy, sys
-from contextlib import contextmanager
 from fastai.basics import *
-from .cast import always_fp32, as_16bit_dtype, warn_if_slow, cast_floats
-from .scaler import LossScaler, NonFiniteGradients
-from .master import GradPhase
-from .mixed_fit import MixedFit
+from .cast import always_fp32, as_16bit_dtype, cast_floats, warn_if_slow
+from .scaler import LossScaler, NonFiniteGradients # (the error a storm of skipped steps raises, importable from here too)
+from .mixed_fit import MixedFit, FitPhase
 
 # %% auto #0
 __all__ = ['check_no_fastai_fp16', 'MasterMixedPrecision']
@@ -31,8 +29,6 @@ def check_no_fastai_fp16(learn) -> None:
                          "`learn.to_unmixed()` ours, and `learn.to_fp32()` both.")
 
 # %% ../nbs/03_callback.ipynb #1fb00519
-_step_events = ('before_step', 'after_step', 'after_cancel_step') # where a step the optimizer took is settled already
-
 class MasterMixedPrecision(Callback):
     "Mixed precision with FP32 master weights in the model and the optimizer, 16-bit casts for the forward, and a loss scaler"
     order = 10 # as fastai's `MixedPrecision`: before GradientClip (11) and before DistributedTrainer (11) wraps the model
@@ -53,9 +49,7 @@ class MasterMixedPrecision(Callback):
         self.auto = 'auto' in tuplify(keep_fp32) # Whether the first training fit measures the model and keeps more in FP32
         self.keep,self.mixed_inference = always_fp32 + tuple(k for k in tuplify(keep_fp32) if k != 'auto'),mixed_inference
         self.auto_kept:tuple|None = None # What 'auto' kept (`KeptFor` names), once measured
-        self.fit_state:MixedFit|None = None # Built at `before_fit`, dropped when the fit ends
-        self.fitting = 0 # How many `Learner.fit` calls of the learner are running (what `Learner.fit` counts, if mpcallbacks wraps it)
-        self.stopped_by:Exception|None = None # What cancelled the last fit, raised by `Learner.fit` once every `after_fit` ran
+        self.mixed_fit = MixedFit(self.scaler) # The one owner of every fit's lifetime and step
 
     @property
     def loss_scale(self) -> float:
@@ -67,14 +61,16 @@ class MasterMixedPrecision(Callback):
         "Steps skipped for inf/NaN gradients, over the learner's life"
         return self.scaler.skipped
 
+    @property
+    def fit_state(self) -> MixedFit|None:
+        "The running fit's `MixedFit`; None between fits"
+        return None if self.mixed_fit.phase is FitPhase.IDLE else self.mixed_fit
+
     def __repr__(self): return f"{type(self).__name__}({self.dtype}, {self.scaler})"
 
     def __call__(self, event_name):
-        "Events act only while a fit is running: one check for all of them, which also settles a step the optimizer took"
-        fit = self.fit_state
-        if fit is None and event_name != 'before_fit': return None
-        if fit is not None and event_name not in _step_events and fit.grads.phase is GradPhase.STEPPING: self.after_step()
-        return super().__call__(event_name)
+        "Events act only while a fit or an inference runs, as `MixedFit.dispatches` decides for all of them"
+        return super().__call__(event_name) if self.mixed_fit.dispatches(event_name) else None
 
     def __reduce__(self): return (Callback, ()) # pickled (`learn.export`): a plain fastai `Callback`, so the export predicts in FP32 and loads without mpcallbacks
 
@@ -86,7 +82,7 @@ class MasterMixedPrecision(Callback):
     def __setattr__(self, name, value):
         # fastai's `remove_cb` sets `learn` to None: removed in the middle of a fit, mixed precision ends there and the fit
         # goes on in FP32, as `to_unmixed()` does.
-        if name == 'learn' and value is None and getattr(self, 'fit_state', None) is not None: self.end_fit()
+        if name == 'learn' and value is None and 'mixed_fit' in self.__dict__: self.mixed_fit.close()
         super().__setattr__(name, value)
 
     def measure_auto(self,
@@ -99,42 +95,28 @@ class MasterMixedPrecision(Callback):
         self.keep = self.keep + self.auto_kept
 
     def before_fit(self):
-        "Register the cast of the model's forward (inside a running fit: nothing)"
-        if self.fit_state is not None:
-            if self.fitting:
-                self.fit_state.nested += 1
-                return
-            self.end_fit() # left by a `with learn:` whose end never came
-        self.stopped_by = None
-        cast = bool(self.fitting)
-        self.fit_state = MixedFit(self.learn, self.dtype, self.keep, cast=cast, per_pass=self.mixed_inference, scaler=self.scaler)
-        if cast or self.mixed_inference: warn_if_slow(self.dtype, self.fit_state.device)
+        "Open the fit (a `Learner.fit` casts the model's forward from here) or the inference; inside a running fit: nothing"
+        self.mixed_fit.open(self.learn, self.dtype, self.keep, per_pass=self.mixed_inference)
 
     def before_train(self):
         "Refuse fastai's mixed precision next to ours; follow the optimizer's parameters (a new optimizer, `freeze`/`unfreeze`)"
-        check_no_fastai_fp16(self.learn) # (here, not at `before_fit`: inference raises nowhere, where fastai would keep `learn.lock`)
-        self.fit_state.start_training()
+        check_no_fastai_fp16(self.learn); self.mixed_fit.start_training() # (the check here, not at `before_fit`: inference raises nowhere, where fastai would keep `learn.lock`)
 
     def after_fit(self):
         "End the fit: the cast's hooks go (inside a fit: nothing)"
-        fit = self.fit_state
-        if fit.nested: fit.nested -= 1
-        else: self.end_fit()
+        self.mixed_fit.leave()
 
     def end_fit(self) -> None:
         "End the fit and drop all it held; safe to call twice"
-        fit = self.fit_state
-        if fit is None: return
-        fit.close() # (dropped only once closed: a close an error cut short is done again by the next call)
-        self.fit_state = None
+        self.mixed_fit.close()
 
     def running_fit(self): # A context manager
         "The length of one `Learner.fit` call: the fit's cast ends when it ends, however it ends"
-        return _running_fit(self)
+        return self.mixed_fit.running_fit()
 
     def before_batch(self):
         "A training batch's forwards cast"
-        if self.training: self.fit_state.begin_batch()
+        if self.training: self.mixed_fit.begin_batch()
 
     def after_pred(self):
         "Hand FP32 predictions to the loss function"
@@ -147,50 +129,43 @@ class MasterMixedPrecision(Callback):
 
     def before_backward(self):
         "Multiply the loss by the scale, and the gradients already there with it"
-        self.learn.loss_grad = self.fit_state.scale(self.loss_grad)
+        self.learn.loss_grad = self.mixed_fit.scale(self.loss_grad)
 
     def after_backward(self):
         "Unscale the gradients and check them for inf/NaN, in one fused pass with no host sync"
-        self.fit_state.unscale()
+        self.mixed_fit.unscale()
 
     def before_step(self):
         "Step or skip: a fused optimizer gets the step's inf/NaN flag and skips by itself; another, a skip on inf/NaN"
-        self._stop_on_storm(self.fit_state.step_or_skip)
+        self.mixed_fit.step_or_skip()
 
     def after_step(self):
         "After a step the optimizer took: count it for the scale's growth, free the gradients and the casts"
-        self._stop_on_storm(self.fit_state.update)
-
-    def _stop_on_storm(self, f):
-        try: f()
-        except NonFiniteGradients as e: # end the fit the orderly way: every `after_fit` runs, then `Learner.fit` raises it
-            self.stopped_by = NonFiniteGradients(f"{e} {self.fit_state.weights_note()}")
-            if not self.fitting: raise self.stopped_by from e # `Learner.fit` is fastai's own: raise it here
-            raise CancelFitException() from e
+        self.mixed_fit.update()
 
     def after_cancel_step(self):
         "Drop the gradients of a step another callback cancelled (before or after ours), as fastai's `zero_grad` does"
-        self.fit_state.cancel_step()
+        self.mixed_fit.cancel_step()
 
     def after_batch(self):
         "Between batches the model runs in FP32"
-        if self.training: self.fit_state.end_batch()
+        if self.training: self.mixed_fit.end_batch()
 
     def after_train(self):
         "Casting off, also after a training phase cancelled part way"
-        self.fit_state.end_batch()
+        self.mixed_fit.end_batch()
 
     def after_epoch(self):
         "Casting off, also after an epoch cancelled part way"
-        self.fit_state.end_batch()
+        self.mixed_fit.end_batch()
 
     def before_validate(self):
         "The validation pass casts (in a fit, or for 16-bit inference), each cast once for all its batches"
-        self.fit_state.begin_validation()
+        self.mixed_fit.begin_validation()
 
     def after_validate(self):
         "Casting back to what it was before the pass"
-        self.fit_state.end_validation()
+        self.mixed_fit.end_validation()
 
     def plot_loss_scale(self,
         ax=None, # Matplotlib axes to draw on; a new figure if None
@@ -209,13 +184,3 @@ class MasterMixedPrecision(Callback):
         ax.set_yscale('log', base=2)
         ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
         return ax
-
-# %% ../nbs/03_callback.ipynb #096d2dbe
-@contextmanager
-def _running_fit(cb:MasterMixedPrecision):
-    if not cb.fitting: cb.end_fit() # a fit left open by a bare `with learn:` is not this one
-    cb.fitting += 1
-    try: yield
-    finally:
-        cb.fitting -= 1
-        if not cb.fitting: cb.end_fit()

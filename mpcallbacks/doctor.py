@@ -340,6 +340,7 @@ class PrecisionProbe:
         "The scale to use: dynamic, or the power of two that leaves the model's largest gradient `headroom_min` below the top"
         if self.dynamic: return f"its gradients span more than {str(self.dtype).split('.')[1]}'s range: keep it in FP32 with keep_fp32"
         k = math.floor(math.log2(torch.finfo(self.dtype).max / self.grad_max) - headroom_min) if 0 < self.grad_max < math.inf else None
+        if k is not None and self.dtype == torch.float16 and 2.**k > 65504: k = None # (`to_mixed` refuses a static float16 scale above 65504)
         return "use loss_scale='dynamic'" + (f" (or a static 2**{k})" if k is not None else '')
 
     def read(self) -> 'pd.DataFrame': # A row per measured module, the riskiest first
@@ -494,8 +495,13 @@ def precision_report(self:Learner,
     loss_scale:str|float|None=None, # As `to_mixed`'s ('auto', 'dynamic', a number); None: the learner's scaler, else 'auto'
 ) -> 'pd.DataFrame': # A row per module the cast would turn to 16 bits, the riskiest first
     "Which layers 16 bits would break, measured on a few training batches in FP32, and why; the learner is left untouched"
+    if isinstance(n_batches, bool) or not isinstance(n_batches, int):
+        raise TypeError(f"n_batches must be a positive int (training batches to measure), got {type(n_batches).__name__} {n_batches!r}")
+    if n_batches < 1: raise ValueError(f"n_batches must be a positive int (training batches to measure), got {n_batches!r}")
+    bad = [k for k in L(keep_fp32) if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)))]
+    if bad: raise TypeError(f"keep_fp32 takes None, module types (subclasses of nn.Module, e.g. nn.LayerNorm) or name patterns "
+                            f"(strings, e.g. 'head'), or a list of them; these are neither: {bad!r}")
     dtype,keep,scale,dynamic = _setting(self, dtype, keep_fp32, loss_scale)
-    if not isinstance(n_batches, int) or n_batches < 1: raise ValueError(f"n_batches must be a positive int, got {n_batches!r}")
     return _report(self, dtype, keep, scale, dynamic, n_batches)
 
 def _eager():

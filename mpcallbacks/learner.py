@@ -98,6 +98,7 @@ def mixed_summary(self:Learner,
     by_reason:bool=False, # Sum the parameters and bytes of the modules that share a reason
 ) -> 'pd.DataFrame': # A row per module with parameters of its own (or per reason)
     "Which layers `to_mixed` casts to 16 bits for the forward and which stay FP32, and why, with their sizes"
+    if not isinstance(by_reason, bool): raise TypeError(f"by_reason must be True or False, got {type(by_reason).__name__} {by_reason!r}")
     cbs = self._grab_cbs(MasterMixedPrecision)
     if not cbs: raise ValueError("mixed_summary() describes what `to_mixed()` does: call `learn.to_mixed()` first.")
     res = cast_summary(self.model, cbs[0].dtype, cbs[0].keep)
@@ -117,12 +118,7 @@ def _fit(self, *args, **kwargs):
     if not mine: return _fastai_fit(self, *args, **kwargs)
     for cb in mine:
         if isinstance(cb, MasterMixedPrecision): cb.measure_auto(self) # `keep_fp32='auto'`: measured before the first fit casts
-    with ExitStack() as stack:
+    with ExitStack() as stack: # (each ends its part however the fit ends; `MixedFit`'s raises a storm's error once every `after_fit` ran)
         for cb in mine: stack.enter_context(cb.running_fit())
-        res = _fastai_fit(self, *args, **kwargs)
-    for cb in mine:
-        if getattr(cb, 'stopped_by', None) is not None:
-            err,cb.stopped_by = cb.stopped_by,None
-            raise err
-    return res
+        return _fastai_fit(self, *args, **kwargs)
 Learner.fit = _fit
