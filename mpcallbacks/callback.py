@@ -6,16 +6,17 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/callback.html.md"""
 
 # %% ../nbs/03_callback.ipynb #fed1545d
 from __future__ import annotations
-import copy, sys
+import copy, math, sys, warnings
 from contextlib import contextmanager
 from fastai.basics import *
-from .cast import always_fp32, as_16bit_dtype, warn_if_slow, cast_floats
+from .cast import always_fp32, as_16bit_dtype, warn_if_slow, cast_floats, native_16bit_dtypes, _user_stacklevel
 from .scaler import LossScaler, NonFiniteGradients
 from .master import GradPhase
 from .mixed_fit import MixedFit
 
 # %% auto #0
-__all__ = ['check_no_fastai_fp16', 'MasterMixedPrecision']
+__all__ = ['check_no_fastai_fp16', 'fastest_16bit_dtype', 'SkippedStepsWarning', 'MasterMixedPrecision', 'LossScale',
+           'SkippedSteps']
 
 # %% ../nbs/03_callback.ipynb #3be30b8c
 def _fastai_mixed_precision(learn) -> list:
@@ -30,6 +31,51 @@ def check_no_fastai_fp16(learn) -> None:
                          "both cast the model and scale the loss. Keep one: `learn.remove_cb(MixedPrecision)` removes fastai's, "
                          "`learn.to_unmixed()` ours, and `learn.to_fp32()` both.")
 
+# %% ../nbs/03_callback.ipynb #783a2568
+def fastest_16bit_dtype(
+    device:torch.device, # Where the model trains
+) -> torch.dtype: # `torch.bfloat16` or `torch.float16`
+    "The 16-bit type to train in on `device`: bfloat16 unless only float16 is native there"
+    return torch.float16 if native_16bit_dtypes(device) == {torch.float16} else torch.bfloat16
+
+# %% ../nbs/03_callback.ipynb #cc1bcfea
+class SkippedStepsWarning(UserWarning):
+    "A fit skipped optimizer steps for inf/NaN gradients (the end-of-fit line), or its first loss was not finite"
+
+# %% ../nbs/03_callback.ipynb #26c584c9
+def _skipped_steps(skipped:int, steps:int, scale:float) -> str:
+    "The end-of-fit line for a fit that skipped some of its steps"
+    return (f"Mixed precision skipped {skipped} of {steps} optimizer steps for inf/NaN gradients; the loss scale is now {scale:g}. "
+            "See `learn.plot_loss_scale()`.")
+
+# %% ../nbs/03_callback.ipynb #c05cc0d7
+def _every_step_skipped(steps:int, scaler:LossScaler, loss:float|None) -> str:
+    "Why a fit whose every step was skipped learned nothing, and what to try"
+    if loss is not None and not math.isfinite(loss):
+        causes = [f"the loss is {loss}: the inputs, the targets or the model's forward are not finite, which no loss scale "
+                  "fixes (check the data with `torch.isfinite`)"]
+    else:
+        if scaler.dynamic and scaler.scale > scaler.min_scale:
+            causes = ["the loss scale is still too high for these gradients (it halves at each skip: a longer fit, or a "
+                      "lower init_scale, reaches one that fits)"]
+        elif not scaler.dynamic and scaler.scale > 1:
+            causes = [f"the static loss scale {scaler.scale:g} makes the gradients overflow (use loss_scale='dynamic')"]
+        else: causes = ["the gradients overflow even without loss scaling: the learning rate is too high"]
+        if loss is None: causes.append("the loss is not finite (check the inputs and targets with `torch.isfinite`)")
+        causes.append("a layer overflows in 16 bits (`learn.precision_report()` finds it, keep_fp32 keeps it in FP32)")
+    return (f"All {steps} optimizer steps of this fit had inf/NaN gradients and were skipped (loss scale now {scaler.scale:g}): "
+            f"the weights are those the fit started from. Likely causes: {'; or '.join(causes)}.")
+
+# %% ../nbs/03_callback.ipynb #b4546cd4
+def _loss_at_skip(loss:Tensor) -> float: # The loss, as a float
+    "Read the loss once a step was skipped, and say at once if it is not finite: no loss scale fixes that"
+    res = loss.detach().float().sum().item() if isinstance(loss, Tensor) else float(loss)
+    if not math.isfinite(res):
+        warnings.warn(f"A step was skipped with a loss of {res}: the inputs, the targets or the model's forward are not "
+                      "finite, which no loss scale fixes. Every step with a non-finite loss is skipped; check the data "
+                      "with `torch.isfinite`.", SkippedStepsWarning, stacklevel=_user_stacklevel())
+    return res
+
 # %% ../nbs/03_callback.ipynb #1fb00519
 _step_events = ('before_step', 'after_step', 'after_cancel_step') # where a step the optimizer took is settled already
 
@@ -38,13 +84,16 @@ class MasterMixedPrecision(Callback):
     order = 10 # as fastai's `MixedPrecision`: before GradientClip (11) and before DistributedTrainer (11) wraps the model
     @delegates(LossScaler.__init__, but=['dynamic'])
     def __init__(self,
-        dtype:torch.dtype|str=torch.float16, # `torch.float16` or `torch.bfloat16`
+        dtype:torch.dtype|str|None=None, # `torch.float16` or `torch.bfloat16`; None: the fastest type the fit's device computes natively (`fastest_16bit_dtype`)
         loss_scale:str|float|None='auto', # 'dynamic', a positive number (static) or None; 'auto': dynamic for float16, None for bfloat16
         keep_fp32:tuple|str=(), # More module types or name patterns to keep in FP32 (normalization layers always are); 'auto': also what the precision doctor finds 16 bits would break
         mixed_inference:bool=False, # `get_preds`/`validate`/`predict` outside a fit in 16 bits too; False: in FP32, as the exported learner
         **kwargs
     ):
-        self.dtype = as_16bit_dtype(dtype)
+        self.chosen_for:str|None = None # The device type the dtype was chosen for (`dtype=None`); None: the dtype was given
+        self.dtype = as_16bit_dtype(dtype) if dtype is not None else fastest_16bit_dtype(default_device())
+        if dtype is None: self.chosen_for = default_device().type # (until `to_mixed` or a fit knows the learner's device)
+        self._loss_scale,self._scaler_kwargs = loss_scale,kwargs # (a scaler for another dtype, if a new device calls for it)
         self.scaler = LossScaler.from_loss_scale(self.dtype, loss_scale, **kwargs)
         bad = [k for k in tuplify(keep_fp32) if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)))]
         if bad: raise TypeError(f"keep_fp32 takes module types (subclasses of nn.Module, e.g. nn.LayerNorm), name patterns "
@@ -56,6 +105,8 @@ class MasterMixedPrecision(Callback):
         self.fit_state:MixedFit|None = None # Built at `before_fit`, dropped when the fit ends
         self.fitting = 0 # How many `Learner.fit` calls of the learner are running (what `Learner.fit` counts, if mpcallbacks wraps it)
         self.stopped_by:Exception|None = None # What cancelled the last fit, raised by `Learner.fit` once every `after_fit` ran
+        self.fit_start:tuple|None = None # `(steps, skipped)` of the scaler when the running fit began, for `report_fit`
+        self.skip_loss:float|None = None # The loss once the host knew of the running fit's first skip (read once: `check_loss`)
 
     @property
     def loss_scale(self) -> float:
@@ -67,7 +118,20 @@ class MasterMixedPrecision(Callback):
         "Steps skipped for inf/NaN gradients, over the learner's life"
         return self.scaler.skipped
 
-    def __repr__(self): return f"{type(self).__name__}({self.dtype}, {self.scaler})"
+    def __repr__(self):
+        chosen = '' if self.chosen_for is None else f" (the fastest on {self.chosen_for})"
+        return f"{type(self).__name__}({self.dtype}{chosen}, {self.scaler})"
+
+    def choose_dtype(self,
+        device:torch.device, # Where the fit trains
+    ) -> torch.dtype: # The 16-bit type the fit trains in
+        "With `dtype=None`, the fastest 16-bit type `device` computes natively, the scaler taking its settings; a dtype given stays"
+        if self.chosen_for is None: return self.dtype
+        dtype,self.chosen_for = fastest_16bit_dtype(device),torch.device(device).type
+        if dtype != self.dtype:
+            self.scaler.take_settings(LossScaler.from_loss_scale(dtype, self._loss_scale, **self._scaler_kwargs))
+            self.dtype = dtype
+        return dtype
 
     def __call__(self, event_name):
         "Events act only while a fit is running: one check for all of them, which also settles a step the optimizer took"
@@ -106,9 +170,11 @@ class MasterMixedPrecision(Callback):
                 return
             self.end_fit() # left by a `with learn:` whose end never came
         self.stopped_by = None
+        self.choose_dtype(next(self.learn.model.parameters()).device) # (fastai's `before_fit` has moved the model to its device)
         cast = bool(self.fitting)
         self.fit_state = MixedFit(self.learn, self.dtype, self.keep, cast=cast, per_pass=self.mixed_inference, scaler=self.scaler)
         if cast or self.mixed_inference: warn_if_slow(self.dtype, self.fit_state.device)
+        self.fit_start,self.skip_loss = (len(self.scaler.history), self.scaler.skipped) if cast else None,None
 
     def before_train(self):
         "Refuse fastai's mixed precision next to ours; follow the optimizer's parameters (a new optimizer, `freeze`/`unfreeze`)"
@@ -127,6 +193,18 @@ class MasterMixedPrecision(Callback):
         if fit is None: return
         fit.close() # (dropped only once closed: a close an error cut short is done again by the next call)
         self.fit_state = None
+        self.report_fit()
+
+    def report_fit(self) -> None:
+        "At a fit's end, one line on the steps it skipped, if any; a fit that skipped every step raises `NonFiniteGradients`"
+        start,self.fit_start = self.fit_start,None
+        if start is None or self.stopped_by is not None: return # (the storm stop said it already)
+        steps,skipped = len(self.scaler.history) - start[0],self.scaler.skipped - start[1]
+        if not skipped: return
+        if skipped < steps: return warnings.warn(_skipped_steps(skipped, steps, self.scaler.scale), SkippedStepsWarning, stacklevel=_user_stacklevel())
+        err = NonFiniteGradients(_every_step_skipped(steps, self.scaler, self.skip_loss))
+        if self.fitting: self.stopped_by = err # raised by `Learner.fit` once every `after_fit` ran
+        else: warnings.warn(str(err), SkippedStepsWarning, stacklevel=_user_stacklevel()) # (inside fastai's own events: raising would skip other callbacks' `after_fit`)
 
     def running_fit(self): # A context manager
         "The length of one `Learner.fit` call: the fit's cast ends when it ends, however it ends"
@@ -155,11 +233,20 @@ class MasterMixedPrecision(Callback):
 
     def before_step(self):
         "Step or skip: a fused optimizer gets the step's inf/NaN flag and skips by itself; another, a skip on inf/NaN"
-        self._stop_on_storm(self.fit_state.step_or_skip)
+        try: self._stop_on_storm(self.fit_state.step_or_skip)
+        except CancelStepException:
+            self.check_loss()
+            raise
 
     def after_step(self):
         "After a step the optimizer took: count it for the scale's growth, free the gradients and the casts"
         self._stop_on_storm(self.fit_state.update)
+        self.check_loss()
+
+    def check_loss(self) -> None:
+        "Once the host knows of the fit's first skip (no read of its own for that), read the loss once and say at once if it is not finite"
+        if self.fit_start is None or self.skip_loss is not None or self.scaler.pending_steps: return
+        if self.scaler.skipped > self.fit_start[1]: self.skip_loss = _loss_at_skip(self.learn.loss_grad)
 
     def _stop_on_storm(self, f):
         try: f()
@@ -219,3 +306,29 @@ def _running_fit(cb:MasterMixedPrecision):
     finally:
         cb.fitting -= 1
         if not cb.fitting: cb.end_fit()
+
+# %% ../nbs/03_callback.ipynb #9cb16fe7
+class LossScale(Metric):
+    "A column of fastai's epoch table: the loss scale of `to_mixed` at the end of each epoch"
+    def __init__(self): self.learn = None
+    def reset(self): pass
+    def accumulate(self, learn): self.learn = learn # (the learner, from fastai's Recorder)
+    @property
+    def value(self) -> float|None: # None for a learner without `to_mixed`
+        "The loss scale now"
+        cbs = self.learn._grab_cbs(MasterMixedPrecision) if self.learn is not None else []
+        return cbs[0].loss_scale if cbs else None
+
+# %% ../nbs/03_callback.ipynb #c133ec5e
+class SkippedSteps(Metric):
+    "A column of fastai's epoch table: the optimizer steps `to_mixed` skipped for inf/NaN gradients so far in the fit"
+    def __init__(self): self.learn = None
+    def reset(self): pass
+    def accumulate(self, learn): self.learn = learn # (the learner, from fastai's Recorder)
+    @property
+    def value(self) -> int|None: # None for a learner without `to_mixed`
+        "Steps skipped since the fit began"
+        cbs = self.learn._grab_cbs(MasterMixedPrecision) if self.learn is not None else []
+        if not cbs: return None
+        start = cbs[0].fit_start
+        return cbs[0].skipped - (start[1] if start is not None else 0)
