@@ -308,27 +308,30 @@ def _running_fit(cb:MasterMixedPrecision):
         if not cb.fitting: cb.end_fit()
 
 # %% ../nbs/03_callback.ipynb #9cb16fe7
-class LossScale(Metric):
-    "A column of fastai's epoch table: the loss scale of `to_mixed` at the end of each epoch"
+class _MixedColumn(Metric):
+    "A column of fastai's epoch table read from the learner's `MasterMixedPrecision`, which fastai's Recorder hands it"
     def __init__(self): self.learn = None
     def reset(self): pass
-    def accumulate(self, learn): self.learn = learn # (the learner, from fastai's Recorder)
+    def accumulate(self, learn): self.learn = learn
+    def _mixed(self): # The callback, or None for a learner without `to_mixed`
+        cbs = self.learn._grab_cbs(MasterMixedPrecision) if self.learn is not None else []
+        return cbs[0] if cbs else None
+
+# %% ../nbs/03_callback.ipynb #3acbe308
+class LossScale(_MixedColumn):
+    "A column of fastai's epoch table: the loss scale of `to_mixed` at the end of each epoch"
     @property
     def value(self) -> float|None: # None for a learner without `to_mixed`
         "The loss scale now"
-        cbs = self.learn._grab_cbs(MasterMixedPrecision) if self.learn is not None else []
-        return cbs[0].loss_scale if cbs else None
+        cb = self._mixed()
+        return cb.loss_scale if cb is not None else None
 
 # %% ../nbs/03_callback.ipynb #c133ec5e
-class SkippedSteps(Metric):
+class SkippedSteps(_MixedColumn):
     "A column of fastai's epoch table: the optimizer steps `to_mixed` skipped for inf/NaN gradients so far in the fit"
-    def __init__(self): self.learn = None
-    def reset(self): pass
-    def accumulate(self, learn): self.learn = learn # (the learner, from fastai's Recorder)
     @property
     def value(self) -> int|None: # None for a learner without `to_mixed`
         "Steps skipped since the fit began"
-        cbs = self.learn._grab_cbs(MasterMixedPrecision) if self.learn is not None else []
-        if not cbs: return None
-        start = cbs[0].fit_start
-        return cbs[0].skipped - (start[1] if start is not None else 0)
+        cb = self._mixed()
+        if cb is None: return None
+        return cb.skipped - (cb.fit_start[1] if cb.fit_start is not None else 0)
