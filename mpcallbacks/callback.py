@@ -94,7 +94,10 @@ class MasterMixedPrecision(Callback):
         self.dtype = as_16bit_dtype(dtype) if dtype is not None else fastest_16bit_dtype(default_device())
         if dtype is None: self.chosen_for = default_device().type # (until `to_mixed` or a fit knows the learner's device)
         self._loss_scale,self._scaler_kwargs = loss_scale,kwargs # (a scaler for another dtype, if a new device calls for it)
-        self.scaler = LossScaler.from_loss_scale(self.dtype, loss_scale, **kwargs)
+        try: self.scaler = LossScaler.from_loss_scale(self.dtype, loss_scale, **kwargs)
+        except ValueError as e: # (the type was not the user's choice: say it)
+            if dtype is None: raise ValueError(f"{e} Without a dtype, {str(self.dtype)[6:]} was chosen for this device: pass dtype=torch.float16 or torch.bfloat16 to choose.") from e
+            raise
         bad = [k for k in tuplify(keep_fp32) if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)))]
         if bad: raise TypeError(f"keep_fp32 takes module types (subclasses of nn.Module, e.g. nn.LayerNorm), name patterns "
                                 f"(e.g. '0.head*') and 'auto' (measure the model at the first fit), got {bad}")

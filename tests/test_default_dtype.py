@@ -61,3 +61,10 @@ def test_a_callback_built_alone_chooses_at_the_fit_start(monkeypatch):
     cb = MasterMixedPrecision()
     synth_learner().fit(1, 1e-2, cbs=cb)
     assert cb.dtype == torch.float16 and cb.scaler.dynamic
+
+def test_a_scaler_argument_for_the_other_type_names_the_choice(monkeypatch):
+    "init_scale belongs to float16's dynamic scaling: where bfloat16 was chosen, the error says so and how to choose"
+    natives(monkeypatch, {'cpu': {torch.bfloat16}})
+    with pytest.raises(ValueError, match=r"init_scale only applies .* Without a dtype, bfloat16 was chosen for this device: pass dtype=torch.float16"):
+        synth_learner().to_mixed(init_scale=2.**10)
+    assert synth_learner().to_mixed(torch.float16, init_scale=2.**10).master_mixed_precision.loss_scale == 2.**10
