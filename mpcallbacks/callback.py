@@ -52,8 +52,9 @@ def _skipped_steps(skipped:int, steps:int, scale:float) -> str:
 def _every_step_skipped(steps:int, scaler:LossScaler, loss:float|None) -> str:
     "Why a fit whose every step was skipped learned nothing, and what to try"
     if loss is not None and not math.isfinite(loss):
-        causes = [f"the loss is {loss}: the inputs, the targets or the model's forward are not finite, which no loss scale "
-                  "fixes (check the data with `torch.isfinite`)"]
+        causes = [f"the loss is {loss}, which no loss scale fixes: the inputs or targets are not finite (check them with "
+                  "`torch.isfinite`), the model's forward overflows in 16 bits (`learn.precision_report()` finds where), or "
+                  "the weights have blown up (a learning rate too high)"]
     else:
         if scaler.dynamic and scaler.scale > scaler.min_scale:
             causes = ["the loss scale is still too high for these gradients (it halves at each skip: a longer fit, or a "
@@ -71,9 +72,10 @@ def _loss_at_skip(loss:Tensor) -> float: # The loss, as a float
     "Read the loss once a step was skipped, and say at once if it is not finite: no loss scale fixes that"
     res = loss.detach().float().sum().item() if isinstance(loss, Tensor) else float(loss)
     if not math.isfinite(res):
-        warnings.warn(f"A step was skipped with a loss of {res}: the inputs, the targets or the model's forward are not "
-                      "finite, which no loss scale fixes. Every step with a non-finite loss is skipped; check the data "
-                      "with `torch.isfinite`.", SkippedStepsWarning, stacklevel=_user_stacklevel())
+        warnings.warn(f"A step was skipped with a loss of {res}, which no loss scale fixes: the inputs or targets are not "
+                      "finite (check them with `torch.isfinite`), the model's forward overflows in 16 bits "
+                      "(`learn.precision_report()` finds where), or the weights have blown up (a learning rate too high). "
+                      "Every step with a non-finite loss is skipped.", SkippedStepsWarning, stacklevel=_user_stacklevel())
     return res
 
 # %% ../nbs/03_callback.ipynb #1fb00519
