@@ -8,12 +8,12 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/callback.html.md"""
 from __future__ import annotations
 import copy, sys
 from fastai.basics import *
-from .cast import always_fp32, as_16bit_dtype, cast_floats, warn_if_slow
+from .cast import always_fp32, as_16bit_dtype, cast_floats, warn_if_slow, native_16bit_dtypes
 from .scaler import LossScaler, NonFiniteGradients # (the error a storm of skipped steps raises, importable from here too)
-from .mixed_fit import MixedFit, FitPhase
+from .mixed_fit import MixedFit, FitPhase, SkippedStepsWarning # (and the warning of a fit that skipped steps)
 
 # %% auto #0
-__all__ = ['check_no_fastai_fp16', 'MasterMixedPrecision']
+__all__ = ['check_no_fastai_fp16', 'fastest_16bit_dtype', 'MasterMixedPrecision', 'LossScale', 'SkippedSteps']
 
 # %% ../nbs/03_callback.ipynb #3be30b8c
 def _fastai_mixed_precision(learn) -> list:
@@ -28,20 +28,33 @@ def check_no_fastai_fp16(learn) -> None:
                          "both cast the model and scale the loss. Keep one: `learn.remove_cb(MixedPrecision)` removes fastai's, "
                          "`learn.to_unmixed()` ours, and `learn.to_fp32()` both.")
 
+# %% ../nbs/03_callback.ipynb #783a2568
+def fastest_16bit_dtype(
+    device:torch.device, # Where the model trains
+) -> torch.dtype: # `torch.bfloat16` or `torch.float16`
+    "The 16-bit type to train in on `device`: bfloat16 unless only float16 is native there"
+    return torch.float16 if native_16bit_dtypes(device) == {torch.float16} else torch.bfloat16
+
 # %% ../nbs/03_callback.ipynb #1fb00519
 class MasterMixedPrecision(Callback):
     "Mixed precision with FP32 master weights in the model and the optimizer, 16-bit casts for the forward, and a loss scaler"
     order = 10 # as fastai's `MixedPrecision`: before GradientClip (11) and before DistributedTrainer (11) wraps the model
     @delegates(LossScaler.__init__, but=['dynamic'])
     def __init__(self,
-        dtype:torch.dtype|str=torch.float16, # `torch.float16` or `torch.bfloat16`
+        dtype:torch.dtype|str|None=None, # `torch.float16` or `torch.bfloat16`; None: the fastest type the fit's device computes natively (`fastest_16bit_dtype`)
         loss_scale:str|float|None='auto', # 'dynamic', a positive number (static) or None; 'auto': dynamic for float16, None for bfloat16
         keep_fp32:tuple|str=(), # More module types or name patterns to keep in FP32 (normalization layers always are); 'auto': also what the precision doctor finds 16 bits would break
         mixed_inference:bool=False, # `get_preds`/`validate`/`predict` outside a fit in 16 bits too; False: in FP32, as the exported learner
         **kwargs
     ):
-        self.dtype = as_16bit_dtype(dtype)
-        self.scaler = LossScaler.from_loss_scale(self.dtype, loss_scale, **kwargs)
+        self.chosen_for:str|None = None # The device type the dtype was chosen for (`dtype=None`); None: the dtype was given
+        self.dtype = as_16bit_dtype(dtype) if dtype is not None else fastest_16bit_dtype(default_device())
+        if dtype is None: self.chosen_for = default_device().type # (until `to_mixed` or a fit knows the learner's device)
+        self._loss_scale,self._scaler_kwargs = loss_scale,kwargs # (a scaler for another dtype, if a new device calls for it)
+        try: self.scaler = LossScaler.from_loss_scale(self.dtype, loss_scale, **kwargs)
+        except ValueError as e: # (the type was not the user's choice: say it)
+            if dtype is None: raise ValueError(f"{e} Without a dtype, {str(self.dtype)[6:]} was chosen for this device: pass dtype=torch.float16 or torch.bfloat16 to choose.") from e
+            raise
         bad = [k for k in tuplify(keep_fp32) if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)))]
         if bad: raise TypeError(f"keep_fp32 takes module types (subclasses of nn.Module, e.g. nn.LayerNorm), name patterns "
                                 f"(e.g. '0.head*') and 'auto' (measure the model at the first fit), got {bad}")
@@ -62,11 +75,29 @@ class MasterMixedPrecision(Callback):
         return self.scaler.skipped
 
     @property
+    def fit_skipped(self) -> int:
+        "Steps skipped since the running fit began (between fits: over the learner's life)"
+        return self.mixed_fit.skipped_in_fit
+
+    @property
     def fit_state(self) -> MixedFit|None:
         "The running fit's `MixedFit`; None between fits"
         return None if self.mixed_fit.phase is FitPhase.IDLE else self.mixed_fit
 
-    def __repr__(self): return f"{type(self).__name__}({self.dtype}, {self.scaler})"
+    def __repr__(self):
+        chosen = '' if self.chosen_for is None else f" (the fastest on {self.chosen_for})"
+        return f"{type(self).__name__}({self.dtype}{chosen}, {self.scaler})"
+
+    def choose_dtype(self,
+        device:torch.device, # Where the fit trains
+    ) -> torch.dtype: # The 16-bit type the fit trains in
+        "With `dtype=None`, the fastest 16-bit type `device` computes natively, the scaler taking its settings; a dtype given stays"
+        if self.chosen_for is None: return self.dtype
+        dtype,self.chosen_for = fastest_16bit_dtype(device),torch.device(device).type
+        if dtype != self.dtype:
+            self.scaler.take_settings(LossScaler.from_loss_scale(dtype, self._loss_scale, **self._scaler_kwargs))
+            self.dtype = dtype
+        return dtype
 
     def __call__(self, event_name):
         "Events act only while a fit or an inference runs, as `MixedFit.dispatches` decides for all of them"
@@ -95,8 +126,8 @@ class MasterMixedPrecision(Callback):
         self.keep = self.keep + self.auto_kept
 
     def before_fit(self):
-        "Open the fit (a `Learner.fit` casts the model's forward from here) or the inference; inside a running fit: nothing"
-        self.mixed_fit.open(self.learn, self.dtype, self.keep, per_pass=self.mixed_inference)
+        "Open the fit (a `Learner.fit` casts the model's forward from here, in the type chosen for its device) or the inference; inside a running fit: nothing"
+        self.mixed_fit.open(self.learn, self.choose_dtype, self.keep, per_pass=self.mixed_inference)
 
     def before_train(self):
         "Refuse fastai's mixed precision next to ours; follow the optimizer's parameters (a new optimizer, `freeze`/`unfreeze`)"
@@ -107,7 +138,7 @@ class MasterMixedPrecision(Callback):
         self.mixed_fit.leave()
 
     def end_fit(self) -> None:
-        "End the fit and drop all it held; safe to call twice"
+        "End the fit and drop all it held, then say whether it skipped steps; safe to call twice"
         self.mixed_fit.close()
 
     def running_fit(self): # A context manager
@@ -184,3 +215,31 @@ class MasterMixedPrecision(Callback):
         ax.set_yscale('log', base=2)
         ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
         return ax
+
+# %% ../nbs/03_callback.ipynb #9cb16fe7
+class _MixedColumn(Metric):
+    "A column of fastai's epoch table read from the learner's `MasterMixedPrecision`, which fastai's Recorder hands it"
+    def __init__(self): self.learn = None
+    def reset(self): pass
+    def accumulate(self, learn): self.learn = learn
+    def _mixed(self): # The callback, or None for a learner without `to_mixed`
+        cbs = self.learn._grab_cbs(MasterMixedPrecision) if self.learn is not None else []
+        return cbs[0] if cbs else None
+
+# %% ../nbs/03_callback.ipynb #3acbe308
+class LossScale(_MixedColumn):
+    "A column of fastai's epoch table: the loss scale of `to_mixed` at the end of each epoch"
+    @property
+    def value(self) -> float|None: # None for a learner without `to_mixed`
+        "The loss scale now"
+        cb = self._mixed()
+        return cb.loss_scale if cb is not None else None
+
+# %% ../nbs/03_callback.ipynb #c133ec5e
+class SkippedSteps(_MixedColumn):
+    "A column of fastai's epoch table: the optimizer steps `to_mixed` skipped for inf/NaN gradients so far in the fit"
+    @property
+    def value(self) -> int|None: # None for a learner without `to_mixed`
+        "Steps skipped since the fit began"
+        cb = self._mixed()
+        return None if cb is None else cb.fit_skipped

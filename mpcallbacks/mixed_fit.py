@@ -6,19 +6,21 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/mixed_fit.html.md"""
 
 # %% ../nbs/03a_mixed_fit.ipynb #64a94fc7
 from __future__ import annotations
+import math, warnings
 from contextlib import contextmanager
+from typing import Callable
 from enum import Enum
 import torch
 from torch import Tensor
 from fastai.basics import Learner
 from fastai.callback.core import CancelStepException, CancelFitException
-from .cast import cast_model, warn_if_slow
+from .cast import cast_model, warn_if_slow, _user_stacklevel
 from .master import MasterParams, GradPhase, local_tensor
 from .distributed import RankAgreement, fsdp_sharded
 from .scaler import LossScaler, NonFiniteGradients
 
 # %% auto #0
-__all__ = ['FitPhase', 'MixedFit']
+__all__ = ['FitPhase', 'SkippedStepsWarning', 'MixedFit']
 
 # %% ../nbs/03a_mixed_fit.ipynb #52f39364
 class FitPhase(Enum):
@@ -35,6 +37,46 @@ class FitPhase(Enum):
         return {P.IDLE:{P.FITTING, P.INFERRING}, P.FITTING:{P.CLOSING}, P.INFERRING:{P.FITTING, P.CLOSING},
                 P.CLOSING:{P.IDLE}}[self]
 
+# %% ../nbs/03a_mixed_fit.ipynb #cc1bcfea
+class SkippedStepsWarning(UserWarning):
+    "A fit skipped optimizer steps for inf/NaN gradients (the end-of-fit line), or its first loss was not finite"
+
+# %% ../nbs/03a_mixed_fit.ipynb #26c584c9
+def _skipped_steps(skipped:int, steps:int, scale:float) -> str:
+    "The end-of-fit line for a fit that skipped some of its steps"
+    return (f"Mixed precision skipped {skipped} of {steps} optimizer steps for inf/NaN gradients; the loss scale is now {scale:g}. "
+            "See `learn.plot_loss_scale()`.")
+
+# %% ../nbs/03a_mixed_fit.ipynb #c05cc0d7
+def _every_step_skipped(steps:int, scaler:LossScaler, loss:float|None) -> str:
+    "Why a fit whose every step was skipped learned nothing, and what to try"
+    if loss is not None and not math.isfinite(loss):
+        causes = [f"the loss is {loss}, which no loss scale fixes: the inputs or targets are not finite (check them with "
+                  "`torch.isfinite`), the model's forward overflows in 16 bits (`learn.precision_report()` finds where), or "
+                  "the weights have blown up (a learning rate too high)"]
+    else:
+        if scaler.dynamic and scaler.scale > scaler.min_scale:
+            causes = ["the loss scale is still too high for these gradients (it halves at each skip: a longer fit, or a "
+                      "lower init_scale, reaches one that fits)"]
+        elif not scaler.dynamic and scaler.scale > 1:
+            causes = [f"the static loss scale {scaler.scale:g} makes the gradients overflow (use loss_scale='dynamic')"]
+        else: causes = ["the gradients overflow even without loss scaling: the learning rate is too high"]
+        if loss is None: causes.append("the loss is not finite (check the inputs and targets with `torch.isfinite`)")
+        causes.append("a layer overflows in 16 bits (`learn.precision_report()` finds it, keep_fp32 keeps it in FP32)")
+    return (f"All {steps} optimizer steps of this fit had inf/NaN gradients and were skipped (loss scale now {scaler.scale:g}): "
+            f"the weights are those the fit started from. Likely causes: {'; or '.join(causes)}.")
+
+# %% ../nbs/03a_mixed_fit.ipynb #b4546cd4
+def _loss_at_skip(loss:Tensor) -> float: # The loss, as a float
+    "Read the loss once a step was skipped, and say at once if it is not finite: no loss scale fixes that"
+    res = loss.detach().float().sum().item() if isinstance(loss, Tensor) else float(loss)
+    if not math.isfinite(res):
+        warnings.warn(f"A step was skipped with a loss of {res}, which no loss scale fixes: the inputs or targets are not "
+                      "finite (check them with `torch.isfinite`), the model's forward overflows in 16 bits "
+                      "(`learn.precision_report()` finds where), or the weights have blown up (a learning rate too high). "
+                      "Every step with a non-finite loss is skipped.", SkippedStepsWarning, stacklevel=_user_stacklevel())
+    return res
+
 # %% ../nbs/03a_mixed_fit.ipynb #a7f3c2d1
 _step_events = ('before_step', 'after_step', 'after_cancel_step') # where a step the optimizer took is settled already
 
@@ -47,6 +89,8 @@ class MixedFit:
         self.phase = FitPhase.IDLE
         self.fits = 0 # `Learner.fit` calls running (`running_fit`): a fit casts from the start, and ends when the outermost ends
         self.stopped_by:Exception|None = None # What cancelled the fit (a storm of skipped steps), raised when every `after_fit` ran
+        self.fit_start:tuple|None = None # `(steps, skipped)` of the scaler when the running fit began: what its end reports
+        self.skip_loss:float|None = None # The loss once the host knew of the running fit's first skip (read once)
         self._drop()
 
     def _drop(self) -> None: # Nothing of a fit held between fits
@@ -64,7 +108,7 @@ class MixedFit:
 
     def open(self,
         learn:Learner, # The learner whose model is cast
-        dtype:torch.dtype, # The 16-bit type
+        dtype:torch.dtype|Callable, # The 16-bit type, or a function of the model's device that chooses it (`MasterMixedPrecision.choose_dtype`)
         keep:tuple, # Types and name patterns of modules that stay in FP32
         per_pass:bool=False, # Inference outside a fit casts for each validation pass (16-bit inference), nothing registered outside one
         fit:bool|None=None, # Cast from the start (a fit); else only once training starts. None: whether `running_fit` is open
@@ -77,10 +121,12 @@ class MixedFit:
                 return
             self.close() # left by a `with learn:` whose end never came
         fit = bool(self.fits) if fit is None else fit
+        if callable(dtype): dtype = dtype(next(learn.model.parameters()).device) # (fastai's `before_fit` moved the model to its device)
         sharded = fsdp_sharded(learn.model) # FSDP2's `MixedPrecisionPolicy` casts a sharded model's forward: we never do
         self._to(FitPhase.FITTING if fit else FitPhase.INFERRING) # (first: from here on, `close` undoes whatever follows)
         try:
             self.learn,self.dtype,self.keep,self.sharded,self.stopped_by = learn,dtype,keep,sharded,None
+            self.fit_start,self.skip_loss = (len(self.scaler.history), self.scaler.skipped) if fit else None,None
             self.per_pass = per_pass and not fit and not sharded
             self.grads,self.ranks = MasterParams([]),RankAgreement()
             if fit and not sharded: self.cast = cast_model(learn.model, dtype, keep) # The model's cast for the forward
@@ -110,7 +156,9 @@ class MixedFit:
     def start_training(self) -> None:
         "Cast the model if nothing did yet, and follow the optimizer's parameters (a new optimizer, `freeze`/`unfreeze`)"
         if self.cast is None and not self.sharded: self.cast = cast_model(self.learn.model, self.dtype, self.keep)
-        if self.phase is FitPhase.INFERRING: self._to(FitPhase.FITTING) # (fastai's own `fit`, unwrapped)
+        if self.phase is FitPhase.INFERRING: # (fastai's own `fit`, unwrapped)
+            self._to(FitPhase.FITTING)
+            self.fit_start,self.skip_loss = (len(self.scaler.history), self.scaler.skipped),None
         opt = getattr(self.learn, 'opt', None)
         self.grads.params = list({id(p):p for p in [*self.learn.model.parameters(),
                                                      *(p for pg in (opt.param_lists if opt else []) for p in pg)]}.values())
@@ -171,6 +219,7 @@ class MixedFit:
         if found_inf is None or not found_inf.item(): return self.grads.stepping()
         self.grads.skip()
         self._stop_on_storm(self.scaler.update, True)
+        self._check_loss()
         raise CancelStepException()
 
     def update(self) -> None:
@@ -180,6 +229,17 @@ class MixedFit:
         self.grads.stepped()
         if self.cast is not None: self.cast.drop_casts()
         self._stop_on_storm(self.scaler.update, found_inf) # (guarded steps are read 25 at a time)
+        self._check_loss()
+
+    def _check_loss(self) -> None:
+        "Once the host knows of the fit's first skip (no read of its own for that), read the loss once and say at once if it is not finite"
+        if self.fit_start is None or self.skip_loss is not None or self.scaler.pending_steps: return
+        if self.scaler.skipped > self.fit_start[1]: self.skip_loss = _loss_at_skip(self.learn.loss_grad)
+
+    @property
+    def skipped_in_fit(self) -> int:
+        "Steps skipped since the running fit began (between fits: over the learner's life)"
+        return self.scaler.skipped - (self.fit_start[1] if self.fit_start is not None else 0)
 
     def _stop_on_storm(self, update, found_inf) -> None:
         try: update(found_inf)
@@ -216,6 +276,18 @@ class MixedFit:
                 break
             except KeyboardInterrupt as e: interrupted = interrupted or e # cleanup that cannot half-happen: again, then raise
         if interrupted is not None: raise interrupted
+        self._report()
+
+    def _report(self) -> None:
+        "At a fit's end, one line on the steps it skipped, if any; a fit that skipped every step raises `NonFiniteGradients`"
+        start,self.fit_start = self.fit_start,None
+        if start is None or self.stopped_by is not None: return # (the storm stop said it already)
+        steps,skipped = len(self.scaler.history) - start[0],self.scaler.skipped - start[1]
+        if not skipped: return
+        if skipped < steps: return warnings.warn(_skipped_steps(skipped, steps, self.scaler.scale), SkippedStepsWarning, stacklevel=_user_stacklevel())
+        err = NonFiniteGradients(_every_step_skipped(steps, self.scaler, self.skip_loss))
+        if self.fits: self.stopped_by = err # raised by `running_fit` once every `after_fit` ran
+        else: warnings.warn(str(err), SkippedStepsWarning, stacklevel=_user_stacklevel()) # (inside fastai's own events: raising would skip other callbacks' `after_fit`)
 
     def _close_once(self) -> None:
         try:

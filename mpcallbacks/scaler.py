@@ -131,6 +131,11 @@ class LossScaler:
         if dtype == torch.float16: _check_float16_scales(scaler)
         return scaler
 
+    @property
+    def pending_steps(self) -> int:
+        "Steps whose flags are still on the device (reading the scale, the counters or the history reads them first)"
+        return len(self._pending)
+
     def scale_now(self) -> float|Tensor: # A float, or a 0-d float32 tensor on the device while steps are pending
         "The scale the next backward uses, without a host sync: the device's while flags of a dynamic scale are still unread"
         return self.__dict__['_scale'] if self._on_device is None else self._on_device[0].float() # (a static scale never moves)
@@ -270,6 +275,16 @@ class LossScaler:
         # Where a saved run of skips began is not saved: at most the scale before its back-offs (the limit errs long)
         k = self.consecutive_skips
         self._run_start = None if not k else min(max_loss_scale, self.scale * math.exp(min(k * -math.log(self.backoff_factor), 700.)))
+
+    def take_settings(self,
+        other:LossScaler, # A scaler built for the 16-bit type now chosen (`from_loss_scale`)
+    ) -> None:
+        "Take `other`'s mode, settings and scale in place, keeping the count of skipped steps and the history: whatever holds this scaler (the learner's optimizer) sees the change"
+        self.settle(); other.settle()
+        skipped,history = self.skipped,self.history
+        self.__dict__.update(other.__dict__)
+        self._pending = [] # (not `other`'s list: the two scalers share no state)
+        self.skipped,self.history = skipped,history
 
 # %% ../nbs/01_scaler.ipynb #9ad9ea3f
 min_loss_scale,max_loss_scale = 2.**-126,2.**126 # A scale and its reciprocal are both normal float32 numbers in this range

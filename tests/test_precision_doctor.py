@@ -11,6 +11,7 @@ from torch import nn
 from fastai.basics import Learner, CrossEntropyLossFlat, SGD, set_seed
 import mpcallbacks.all # noqa: F401 (`Learner.to_mixed`, `Learner.precision_report`)
 from mpcallbacks.cast import KeptFor
+from mpcallbacks.scaler import NonFiniteGradients
 from mpcallbacks.digits import digits_cnn, digits_dls
 from mpcallbacks.test_utils import synth_learner, count_syncs
 from like_fp32 import fit_once
@@ -110,9 +111,11 @@ def test_overflow_plain_float16_skips_every_step_and_auto_trains_like_fp32():
     assert set(rep.verdict[rep.module != '1']) == {'fine'}
     assert set(gain_learner().precision_report(torch.bfloat16).verdict) == {'fine'} # bfloat16 has float32's range
     ref = fit_once(gain_learner, None, epochs=3)
-    plain = fit_once(gain_learner, dict(dtype=torch.float16), epochs=3)
-    cb = plain.learn.cbs[-1]
-    assert cb.skipped == len(plain.losses), f"plain float16 skipped {cb.skipped} of {len(plain.losses)} steps"
+    plain = gain_learner().to_mixed(torch.float16)
+    n = 3 * len(plain.dls.train)
+    with pytest.raises(NonFiniteGradients, match=f"All {n} optimizer steps of this fit"): plain.fit(3, 1e-2) # nothing learned: said
+    cb = plain.cbs[-1]
+    assert cb.skipped == n, f"plain float16 skipped {cb.skipped} of {n} steps"
     auto,said = fit_auto(gain_learner, dict(dtype=torch.float16, keep_fp32='auto'), epochs=3)
     assert auto.learn.cbs[-1].skipped == 0 and auto.learn.cbs[-1].auto_kept == (KeptFor('1', 'overflow'),)
     assert len(said) == 1 and '`1` (overflow' in said[0], said
