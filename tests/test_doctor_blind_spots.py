@@ -8,6 +8,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 import mpcallbacks.all # noqa: F401 (`Learner.to_mixed`, `Learner.precision_report`)
 from mpcallbacks.cast import KeptFor
+from mpcallbacks.scaler import NonFiniteGradients
 from mpcallbacks.test_utils import synth_learner
 from like_fp32 import fit_once
 
@@ -232,6 +233,10 @@ def all_flagged():
     return learn
 
 def test_auto_never_keeps_the_whole_model():
-    run,said = fit_said(all_flagged, dict(dtype=torch.float16, keep_fp32='auto'), epochs=1)
-    assert [k.name for k in run.learn.cbs[-1].auto_kept] == ['1'] # the gain; the Linear stays cast
+    learn = all_flagged().to_mixed(torch.float16, keep_fp32='auto')
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        with pytest.raises(NonFiniteGradients): learn.fit(1, 1e-2) # (the cast Linear overflows at every step, as the warning says)
+    said = [str(x.message) for x in w if "keep_fp32='auto'" in str(x.message)]
+    assert [k.name for k in learn.master_mixed_precision.auto_kept] == ['1'] # the gain; the Linear stays cast
     assert len(said) == 1 and 'would keep every layer in FP32' in said[0] and 'learn.to_unmixed()' in said[0], said

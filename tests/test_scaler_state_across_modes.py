@@ -1,12 +1,13 @@
 "A checkpoint's run of skips goes on only where its scale does: a float16 checkpoint saved during a run of overflows does not stop a bfloat16 learner at its first skip; the total of skipped steps carries."
-import torch
-from mpcallbacks.all import LossScaler
+import torch, pytest
+from mpcallbacks.all import LossScaler, NonFiniteGradients
 from mpcallbacks.test_utils import synth_learner, InjectNonFinite
 from intact import call_lock_free
 
 def test_a_float16_run_of_skips_does_not_stop_a_bfloat16_learner_at_its_first_skip(tmp_path):
     f16 = synth_learner(path=tmp_path).to_mixed(torch.float16)
-    f16.fit(4, 1e-2, cbs=InjectNonFinite(at=range(32))) # 32 overflows in a row, under float16's limit of 41
+    with pytest.raises(NonFiniteGradients, match='All 32'): # 32 overflows in a row, under float16's limit of 41: every step of the fit
+        f16.fit(4, 1e-2, cbs=InjectNonFinite(at=range(32)))
     assert f16.master_mixed_precision.scaler.consecutive_skips == 32
     f16.save('ck', with_opt=True)
     bf16 = synth_learner(path=tmp_path, seed=1).to_mixed(torch.bfloat16) # no scaling: a limit of 25 in a row
