@@ -1,35 +1,93 @@
-"The main job of `make demo`: FP32 vs `to_mixed()` in float16 and bfloat16 on scikit-learn's digits, one table."
-import time, warnings
+"The main job of `make demo`: FP32 vs `to_mixed()` (the type it chooses, float16 and bfloat16) on scikit-learn's digits, one table."
+import statistics, time, warnings
 from fastai.basics import *
 from fastai.callback.schedule import *
 from mpcallbacks.all import *
-from mpcallbacks.digits import digits_dls, digits_cnn, param_bytes
+from mpcallbacks.digits import digits_dls, digits_cnn
 
-def run(dtype, epochs=5, lr=1e-2, seed=0):
+REPEATS = 3 # fits per configuration, taking turns: the table shows medians
+CONFIGS = {'FP32': 'fp32', 'to_mixed()': None, 'to_mixed(float16)': torch.float16, 'to_mixed(bfloat16)': torch.bfloat16}
+
+class WeightsInForward(Callback):
+    "Bytes of the weights the first training forward computes with (inside it, `to_mixed` puts the 16-bit casts in the model)"
+    order = 100
+    def before_fit(self): self.nbytes,self.handles = None,[]
+    def before_batch(self):
+        if not self.training or self.nbytes is not None: return
+        seen = {}
+        def hook(m, args): seen[id(m)] = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+        self.handles = [m.register_forward_pre_hook(hook) for m in self.model.modules() if any(True for _ in m.parameters(recurse=False))]
+        self.seen = seen
+    def after_pred(self):
+        for h in self.handles: h.remove()
+        if self.handles: self.nbytes,self.handles = sum(self.seen.values()),[]
+
+class StepTimer(Callback):
+    "Wall time of each training batch (forward, backward, step), the first of the fit left out"
+    order = 100
+    def before_fit(self): self.times = []
+    def before_batch(self): self.start = time.perf_counter()
+    def after_batch(self):
+        if self.training and self.iter > 0: self.times.append(time.perf_counter() - self.start)
+
+def run(dtype, epochs=5, lr=1e-2, seed=0) -> dict:
     dls = digits_dls(seed=seed)
     set_seed(seed)
     learn = Learner(dls, digits_cnn(), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
-    if dtype is not None: learn.to_mixed(dtype)
-    nbytes = {}
-    probe = Callback(before_train=lambda cb: nbytes.setdefault('b', param_bytes(learn.model)))  # bytes during fit
+    if dtype != 'fp32': learn.to_mixed(dtype)
+    weights,timer = WeightsInForward(),StepTimer()
     start = time.perf_counter()
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
         warnings.simplefilter('ignore')
-        learn.fit_one_cycle(epochs, lr, cbs=probe)
+        learn.fit_one_cycle(epochs, lr, cbs=[weights, timer])
     secs = time.perf_counter() - start
     trn_loss, val_loss, acc = learn.recorder.values[-1]
     mmp = getattr(learn, 'master_mixed_precision', None)
-    return dict(run='FP32' if dtype is None else f'to_mixed({str(dtype).split(".")[1]})', accuracy=acc,
-                valid_loss=val_loss, loss_scale=(int(mmp.loss_scale) if mmp.loss_scale.is_integer() else mmp.loss_scale) if mmp else '-', skipped=mmp.skipped if mmp else 0,
-                seconds=secs, param_bytes=nbytes['b'])
+    scale = mmp.loss_scale if mmp else None
+    return dict(dtype=str(mmp.dtype).split('.')[1] if mmp else 'float32', accuracy=acc, valid_loss=val_loss,
+                loss_scale=(int(scale) if scale.is_integer() else scale) if mmp else '-', skipped=mmp.skipped if mmp else 0,
+                ms_per_step=1000 * statistics.median(timer.times), fit_s=secs, weight_bytes_in_forward=weights.nbytes)
+
+def table(rows:dict) -> list:
+    "One dict per configuration: the last fit's numbers, the timings as medians over its fits"
+    res = []
+    for name,runs in rows.items():
+        r = dict(run=name, **runs[-1])
+        r['ms_per_step'] = statistics.median(x['ms_per_step'] for x in runs)
+        r['fit_s'] = statistics.median(x['fit_s'] for x in runs)
+        res.append(r)
+    return res
+
+def footer(res:list) -> list:
+    "What the table shows, read from it"
+    fp32 = next(r for r in res if r['run'] == 'FP32')
+    native = native_16bit_dtypes('cpu')
+    lines = [f"16-bit types this CPU computes natively: {', '.join(sorted(str(d).split('.')[1] for d in native)) or 'none (both emulated)'}; "
+             f"to_mixed() chose {next(r for r in res if r['run'] == 'to_mixed()')['dtype']}."]
+    for r in res:
+        if r is fp32: continue
+        ratio = r['ms_per_step'] / fp32['ms_per_step']
+        lines.append(f"{r['run']}: {ratio:.2f}x FP32's time per step ({'faster' if ratio < 1 else 'slower'}), accuracy "
+                     f"{r['accuracy'] - fp32['accuracy']:+.4f} against FP32, {r['skipped']} steps skipped; its forward computes with "
+                     f"{r['weight_bytes_in_forward']:,} bytes of weights, {r['weight_bytes_in_forward'] / fp32['weight_bytes_in_forward']:.2f}x FP32's "
+                     f"{fp32['weight_bytes_in_forward']:,}.")
+    lines.append("weight_bytes_in_forward: the model's parameters as its first training forward sees them (inside a forward, "
+                 "to_mixed's 16-bit casts; normalization layers stay FP32); outside the forward every run holds FP32 weights.")
+    lines.append(f"ms_per_step: median over the training batches of {REPEATS} fits per row (the first batch of each left out); "
+                 f"fit_s: median of the {REPEATS} fits' times, validation included.")
+    return lines
 
 if __name__ == '__main__':
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    rows = [run(dt) for dt in (None, torch.float16, torch.bfloat16)]
-    cols = list(rows[0])
-    print(f"Digits (1,797 images, scikit-learn), small CNN with BatchNorm, 5 epochs of fit_one_cycle, torch {torch.__version__} on CPU")
-    fmt = lambda v: f'{v:>18}' if isinstance(v, (str, int)) else f'{v:>18.4g}'
+    rows = {name:[] for name in CONFIGS}
+    for i in range(REPEATS):
+        names = list(CONFIGS)[i % len(CONFIGS):] + list(CONFIGS)[:i % len(CONFIGS)] # each round in another order
+        for name in names: rows[name].append(run(CONFIGS[name]))
+    res = table(rows)
+    cols = list(res[0])
+    print(f"Digits (1,797 images, scikit-learn), small CNN with BatchNorm, 5 epochs of fit_one_cycle, torch {torch.__version__} "
+          f"on CPU ({torch.get_num_threads()} threads)")
+    fmt = lambda v: f'{v:>23}' if isinstance(v, (str, int)) else f'{v:>23.4g}'
     print(' | '.join(fmt(c) for c in cols))
-    for r in rows: print(' | '.join(fmt(r[c]) for c in cols))
-    print("param_bytes is measured during fit: 16-bit model weights (FP32 masters live in the optimizer).")
-    print("On this CPU 16-bit math is emulated or slower than FP32, so the time column shows overhead, not speed-ups.")
+    for r in res: print(' | '.join(fmt(r[c]) for c in cols))
+    for line in footer(res): print(line)

@@ -3,7 +3,7 @@
 What importing changes outside the package, all of it in `mpcallbacks.learner` and the `mpcallbacks.checkpoint` and
 `mpcallbacks.doctor` it imports (`mpcallbacks.all` imports them), and in `mpcallbacks.sharded`, which adds
 `Learner.to_sharded` and `Learner.sharded_ctx` (`to_sharded` gives that one learner its own `save`, `load` and
-`export`): `Learner.to_mixed`, `to_unmixed`, `mixed_summary`, `save_atomic`, `export_atomic`, `load_checked` and
+`export`): `Learner.to_mixed`, `to_unmixed`, `mixed_summary`, `plot_loss_scale`, `save_atomic`, `export_atomic`, `load_checked` and
 `precision_report` are added; `Learner.fit` is wrapped (a learner without `MasterMixedPrecision` runs fastai's own);
 fastai's `to_fp32`/`to_non_native_fp32` also remove ours. Every other module changes nothing when imported. During a mixed fit, two global module hooks of torch
 are registered (`torch.nn.modules.module.register_module_forward_pre_hook` and `..._forward_hook`); they act on the

@@ -7,15 +7,13 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/callback.html.md"""
 # %% ../nbs/03_callback.ipynb #fed1545d
 from __future__ import annotations
 import copy, sys
-from contextlib import contextmanager
 from fastai.basics import *
-from .cast import always_fp32, as_16bit_dtype, warn_if_slow, cast_floats
-from .scaler import LossScaler, NonFiniteGradients
-from .master import GradPhase
-from .mixed_fit import MixedFit
+from .cast import always_fp32, as_16bit_dtype, cast_floats, warn_if_slow, native_16bit_dtypes
+from .scaler import LossScaler, NonFiniteGradients # (the error a storm of skipped steps raises, importable from here too)
+from .mixed_fit import MixedFit, FitPhase, SkippedStepsWarning # (and the warning of a fit that skipped steps)
 
 # %% auto #0
-__all__ = ['check_no_fastai_fp16', 'MasterMixedPrecision']
+__all__ = ['check_no_fastai_fp16', 'fastest_16bit_dtype', 'MasterMixedPrecision', 'LossScale', 'SkippedSteps']
 
 # %% ../nbs/03_callback.ipynb #3be30b8c
 def _fastai_mixed_precision(learn) -> list:
@@ -30,22 +28,33 @@ def check_no_fastai_fp16(learn) -> None:
                          "both cast the model and scale the loss. Keep one: `learn.remove_cb(MixedPrecision)` removes fastai's, "
                          "`learn.to_unmixed()` ours, and `learn.to_fp32()` both.")
 
-# %% ../nbs/03_callback.ipynb #1fb00519
-_step_events = ('before_step', 'after_step', 'after_cancel_step') # where a step the optimizer took is settled already
+# %% ../nbs/03_callback.ipynb #783a2568
+def fastest_16bit_dtype(
+    device:torch.device, # Where the model trains
+) -> torch.dtype: # `torch.bfloat16` or `torch.float16`
+    "The 16-bit type to train in on `device`: bfloat16 unless only float16 is native there"
+    return torch.float16 if native_16bit_dtypes(device) == {torch.float16} else torch.bfloat16
 
+# %% ../nbs/03_callback.ipynb #1fb00519
 class MasterMixedPrecision(Callback):
     "Mixed precision with FP32 master weights in the model and the optimizer, 16-bit casts for the forward, and a loss scaler"
     order = 10 # as fastai's `MixedPrecision`: before GradientClip (11) and before DistributedTrainer (11) wraps the model
     @delegates(LossScaler.__init__, but=['dynamic'])
     def __init__(self,
-        dtype:torch.dtype|str=torch.float16, # `torch.float16` or `torch.bfloat16`
+        dtype:torch.dtype|str|None=None, # `torch.float16` or `torch.bfloat16`; None: the fastest type the fit's device computes natively (`fastest_16bit_dtype`)
         loss_scale:str|float|None='auto', # 'dynamic', a positive number (static) or None; 'auto': dynamic for float16, None for bfloat16
         keep_fp32:tuple|str=(), # More module types or name patterns to keep in FP32 (normalization layers always are); 'auto': also what the precision doctor finds 16 bits would break
         mixed_inference:bool=False, # `get_preds`/`validate`/`predict` outside a fit in 16 bits too; False: in FP32, as the exported learner
         **kwargs
     ):
-        self.dtype = as_16bit_dtype(dtype)
-        self.scaler = LossScaler.from_loss_scale(self.dtype, loss_scale, **kwargs)
+        self.chosen_for:str|None = None # The device type the dtype was chosen for (`dtype=None`); None: the dtype was given
+        self.dtype = as_16bit_dtype(dtype) if dtype is not None else fastest_16bit_dtype(default_device())
+        if dtype is None: self.chosen_for = default_device().type # (until `to_mixed` or a fit knows the learner's device)
+        self._loss_scale,self._scaler_kwargs = loss_scale,kwargs # (a scaler for another dtype, if a new device calls for it)
+        try: self.scaler = LossScaler.from_loss_scale(self.dtype, loss_scale, **kwargs)
+        except ValueError as e: # (the type was not the user's choice: say it)
+            if dtype is None: raise ValueError(f"{e} Without a dtype, {str(self.dtype)[6:]} was chosen for this device: pass dtype=torch.float16 or torch.bfloat16 to choose.") from e
+            raise
         bad = [k for k in tuplify(keep_fp32) if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)))]
         if bad: raise TypeError(f"keep_fp32 takes module types (subclasses of nn.Module, e.g. nn.LayerNorm), name patterns "
                                 f"(e.g. '0.head*') and 'auto' (measure the model at the first fit), got {bad}")
@@ -53,9 +62,7 @@ class MasterMixedPrecision(Callback):
         self.auto = 'auto' in tuplify(keep_fp32) # Whether the first training fit measures the model and keeps more in FP32
         self.keep,self.mixed_inference = always_fp32 + tuple(k for k in tuplify(keep_fp32) if k != 'auto'),mixed_inference
         self.auto_kept:tuple|None = None # What 'auto' kept (`KeptFor` names), once measured
-        self.fit_state:MixedFit|None = None # Built at `before_fit`, dropped when the fit ends
-        self.fitting = 0 # How many `Learner.fit` calls of the learner are running (what `Learner.fit` counts, if mpcallbacks wraps it)
-        self.stopped_by:Exception|None = None # What cancelled the last fit, raised by `Learner.fit` once every `after_fit` ran
+        self.mixed_fit = MixedFit(self.scaler) # The one owner of every fit's lifetime and step
 
     @property
     def loss_scale(self) -> float:
@@ -67,14 +74,34 @@ class MasterMixedPrecision(Callback):
         "Steps skipped for inf/NaN gradients, over the learner's life"
         return self.scaler.skipped
 
-    def __repr__(self): return f"{type(self).__name__}({self.dtype}, {self.scaler})"
+    @property
+    def fit_skipped(self) -> int:
+        "Steps skipped since the running fit began (between fits: over the learner's life)"
+        return self.mixed_fit.skipped_in_fit
+
+    @property
+    def fit_state(self) -> MixedFit|None:
+        "The running fit's `MixedFit`; None between fits"
+        return None if self.mixed_fit.phase is FitPhase.IDLE else self.mixed_fit
+
+    def __repr__(self):
+        chosen = '' if self.chosen_for is None else f" (the fastest on {self.chosen_for})"
+        return f"{type(self).__name__}({self.dtype}{chosen}, {self.scaler})"
+
+    def choose_dtype(self,
+        device:torch.device, # Where the fit trains
+    ) -> torch.dtype: # The 16-bit type the fit trains in
+        "With `dtype=None`, the fastest 16-bit type `device` computes natively, the scaler taking its settings; a dtype given stays"
+        if self.chosen_for is None: return self.dtype
+        dtype,self.chosen_for = fastest_16bit_dtype(device),torch.device(device).type
+        if dtype != self.dtype:
+            self.scaler.take_settings(LossScaler.from_loss_scale(dtype, self._loss_scale, **self._scaler_kwargs))
+            self.dtype = dtype
+        return dtype
 
     def __call__(self, event_name):
-        "Events act only while a fit is running: one check for all of them, which also settles a step the optimizer took"
-        fit = self.fit_state
-        if fit is None and event_name != 'before_fit': return None
-        if fit is not None and event_name not in _step_events and fit.grads.phase is GradPhase.STEPPING: self.after_step()
-        return super().__call__(event_name)
+        "Events act only while a fit or an inference runs, as `MixedFit.dispatches` decides for all of them"
+        return super().__call__(event_name) if self.mixed_fit.dispatches(event_name) else None
 
     def __reduce__(self): return (Callback, ()) # pickled (`learn.export`): a plain fastai `Callback`, so the export predicts in FP32 and loads without mpcallbacks
 
@@ -86,7 +113,7 @@ class MasterMixedPrecision(Callback):
     def __setattr__(self, name, value):
         # fastai's `remove_cb` sets `learn` to None: removed in the middle of a fit, mixed precision ends there and the fit
         # goes on in FP32, as `to_unmixed()` does.
-        if name == 'learn' and value is None and getattr(self, 'fit_state', None) is not None: self.end_fit()
+        if name == 'learn' and value is None and 'mixed_fit' in self.__dict__: self.mixed_fit.close()
         super().__setattr__(name, value)
 
     def measure_auto(self,
@@ -99,42 +126,28 @@ class MasterMixedPrecision(Callback):
         self.keep = self.keep + self.auto_kept
 
     def before_fit(self):
-        "Register the cast of the model's forward (inside a running fit: nothing)"
-        if self.fit_state is not None:
-            if self.fitting:
-                self.fit_state.nested += 1
-                return
-            self.end_fit() # left by a `with learn:` whose end never came
-        self.stopped_by = None
-        cast = bool(self.fitting)
-        self.fit_state = MixedFit(self.learn, self.dtype, self.keep, cast=cast, per_pass=self.mixed_inference, scaler=self.scaler)
-        if cast or self.mixed_inference: warn_if_slow(self.dtype, self.fit_state.device)
+        "Open the fit (a `Learner.fit` casts the model's forward from here, in the type chosen for its device) or the inference; inside a running fit: nothing"
+        self.mixed_fit.open(self.learn, self.choose_dtype, self.keep, per_pass=self.mixed_inference)
 
     def before_train(self):
         "Refuse fastai's mixed precision next to ours; follow the optimizer's parameters (a new optimizer, `freeze`/`unfreeze`)"
-        check_no_fastai_fp16(self.learn) # (here, not at `before_fit`: inference raises nowhere, where fastai would keep `learn.lock`)
-        self.fit_state.start_training()
+        check_no_fastai_fp16(self.learn); self.mixed_fit.start_training() # (the check here, not at `before_fit`: inference raises nowhere, where fastai would keep `learn.lock`)
 
     def after_fit(self):
         "End the fit: the cast's hooks go (inside a fit: nothing)"
-        fit = self.fit_state
-        if fit.nested: fit.nested -= 1
-        else: self.end_fit()
+        self.mixed_fit.leave()
 
     def end_fit(self) -> None:
-        "End the fit and drop all it held; safe to call twice"
-        fit = self.fit_state
-        if fit is None: return
-        fit.close() # (dropped only once closed: a close an error cut short is done again by the next call)
-        self.fit_state = None
+        "End the fit and drop all it held, then say whether it skipped steps; safe to call twice"
+        self.mixed_fit.close()
 
     def running_fit(self): # A context manager
         "The length of one `Learner.fit` call: the fit's cast ends when it ends, however it ends"
-        return _running_fit(self)
+        return self.mixed_fit.running_fit()
 
     def before_batch(self):
         "A training batch's forwards cast"
-        if self.training: self.fit_state.begin_batch()
+        if self.training: self.mixed_fit.begin_batch()
 
     def after_pred(self):
         "Hand FP32 predictions to the loss function"
@@ -147,50 +160,43 @@ class MasterMixedPrecision(Callback):
 
     def before_backward(self):
         "Multiply the loss by the scale, and the gradients already there with it"
-        self.learn.loss_grad = self.fit_state.scale(self.loss_grad)
+        self.learn.loss_grad = self.mixed_fit.scale(self.loss_grad)
 
     def after_backward(self):
         "Unscale the gradients and check them for inf/NaN, in one fused pass with no host sync"
-        self.fit_state.unscale()
+        self.mixed_fit.unscale()
 
     def before_step(self):
         "Step or skip: a fused optimizer gets the step's inf/NaN flag and skips by itself; another, a skip on inf/NaN"
-        self._stop_on_storm(self.fit_state.step_or_skip)
+        self.mixed_fit.step_or_skip()
 
     def after_step(self):
         "After a step the optimizer took: count it for the scale's growth, free the gradients and the casts"
-        self._stop_on_storm(self.fit_state.update)
-
-    def _stop_on_storm(self, f):
-        try: f()
-        except NonFiniteGradients as e: # end the fit the orderly way: every `after_fit` runs, then `Learner.fit` raises it
-            self.stopped_by = NonFiniteGradients(f"{e} {self.fit_state.weights_note()}")
-            if not self.fitting: raise self.stopped_by from e # `Learner.fit` is fastai's own: raise it here
-            raise CancelFitException() from e
+        self.mixed_fit.update()
 
     def after_cancel_step(self):
         "Drop the gradients of a step another callback cancelled (before or after ours), as fastai's `zero_grad` does"
-        self.fit_state.cancel_step()
+        self.mixed_fit.cancel_step()
 
     def after_batch(self):
         "Casting off: forwards from here to the next batch run in FP32 (a callback of lower order got 16 bits at its `after_batch`)"
-        if self.training: self.fit_state.end_batch()
+        if self.training: self.mixed_fit.end_batch()
 
     def after_train(self):
         "Casting off, also after a training phase cancelled part way"
-        self.fit_state.end_batch()
+        self.mixed_fit.end_batch()
 
     def after_epoch(self):
         "Casting off, also after an epoch cancelled part way"
-        self.fit_state.end_batch()
+        self.mixed_fit.end_batch()
 
     def before_validate(self):
         "The validation pass casts (in a fit, or for 16-bit inference), each cast once for all its batches"
-        self.fit_state.begin_validation()
+        self.mixed_fit.begin_validation()
 
     def after_validate(self):
         "Casting back to what it was before the pass"
-        self.fit_state.end_validation()
+        self.mixed_fit.end_validation()
 
     def plot_loss_scale(self,
         ax=None, # Matplotlib axes to draw on; a new figure if None
@@ -210,12 +216,30 @@ class MasterMixedPrecision(Callback):
         ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
         return ax
 
-# %% ../nbs/03_callback.ipynb #096d2dbe
-@contextmanager
-def _running_fit(cb:MasterMixedPrecision):
-    if not cb.fitting: cb.end_fit() # a fit left open by a bare `with learn:` is not this one
-    cb.fitting += 1
-    try: yield
-    finally:
-        cb.fitting -= 1
-        if not cb.fitting: cb.end_fit()
+# %% ../nbs/03_callback.ipynb #9cb16fe7
+class _MixedColumn(Metric):
+    "A column of fastai's epoch table read from the learner's `MasterMixedPrecision`, which fastai's Recorder hands it"
+    def __init__(self): self.learn = None
+    def reset(self): pass
+    def accumulate(self, learn): self.learn = learn
+    def _mixed(self): # The callback, or None for a learner without `to_mixed`
+        cbs = self.learn._grab_cbs(MasterMixedPrecision) if self.learn is not None else []
+        return cbs[0] if cbs else None
+
+# %% ../nbs/03_callback.ipynb #3acbe308
+class LossScale(_MixedColumn):
+    "A column of fastai's epoch table: the loss scale of `to_mixed` at the end of each epoch"
+    @property
+    def value(self) -> float|None: # None for a learner without `to_mixed`
+        "The loss scale now"
+        cb = self._mixed()
+        return cb.loss_scale if cb is not None else None
+
+# %% ../nbs/03_callback.ipynb #c133ec5e
+class SkippedSteps(_MixedColumn):
+    "A column of fastai's epoch table: the optimizer steps `to_mixed` skipped for inf/NaN gradients so far in the fit"
+    @property
+    def value(self) -> int|None: # None for a learner without `to_mixed`
+        "Steps skipped since the fit began"
+        cb = self._mixed()
+        return None if cb is None else cb.fit_skipped

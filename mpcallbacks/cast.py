@@ -539,7 +539,10 @@ def cast_model(
 ) -> ModelCast: # The cast, off until `begin`; `restore` ends it
     "Cast the floating-point parameters of `model` (but the `keep` modules') to `dtype` for its forward"
     res = ModelCast(model, dtype, keep)
-    res._register()
+    try: res._register()
+    except BaseException: # (a Ctrl-C between the global hooks and the registry: nothing of the cast stays registered)
+        res._unregister()
+        raise
     return res
 
 # %% ../nbs/00_cast.ipynb #b2c3d4e5

@@ -12,7 +12,7 @@ from functools import partial
 from fastai.basics import *
 import copy # (after fastai's star import, which brings `copy.copy` in as `copy`)
 import numpy as np
-import errno, shutil
+import errno, shutil, math, numbers
 from .scaler import LossScaler
 from .distributed import fsdp_sharded
 from .fused import step_fused, skips_on_flag
@@ -100,11 +100,11 @@ def _alive(pid:int) -> bool:
     except PermissionError: return True
     return True
 
-def _drop_stale(path:Path) -> None:
-    "Remove the temporary files of `path` that a killed process left behind (POSIX: elsewhere `os.kill` would end it)"
+def _drop_stale(folder:Path) -> None:
+    "Remove the temporary files that killed saves left in `folder`, whatever file they were for (POSIX: elsewhere `os.kill` would end it)"
     if os.name != 'posix': return
-    for old in path.parent.glob(f'.{path.name}.*.tmp'):
-        pid = old.name[len(path.name)+2:-4]
+    for old in folder.glob('.?*.*.tmp'): # `.{name}.{pid}.tmp`, as `replacing_file` names them
+        pid = old.name[:-4].rpartition('.')[2]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)): old.unlink(missing_ok=True)
 
 def _disk_full(e:BaseException) -> bool:
@@ -118,7 +118,7 @@ def replacing_file(
     "A temporary file in `path`'s folder to write to; it becomes `path` only once written and flushed to the disk"
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _drop_stale(path)
+    _drop_stale(path.parent)
     tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
     try:
         try:
@@ -164,22 +164,135 @@ def export_atomic(self:Learner,
         raise
     return path
 
-# %% ../nbs/05a_checkpoint.ipynb #37d271fd
-def _scaler_entry(path:Path, **torch_load_kwargs):
-    "The checkpoint's loss scaler entry, read as fastai's `load_model` will read the file (None where it has none)"
+# %% ../nbs/05a_checkpoint.ipynb #6d6a47e3
+def _torch_load(path:Path, **torch_load_kwargs):
+    "The checkpoint read as fastai's `load_model` will read it, memory-mapped (no tensor read yet), on the CPU"
     # The same `torch.load` as fastai's, with the globals it allows (its `L`, numpy's scalars and dtypes, which the
-    # hyper-parameters `fit_one_cycle` writes hold), so the same files load; memory-mapped, so that no tensor is read yet
+    # hyper-parameters `fit_one_cycle` writes hold), so the same files load
     safe = getattr(torch.serialization, 'safe_globals', None) # torch 2.5 on, as in fastai
     if safe:
         multiarray = getattr(np, '_core', None) or np.core
         ctx = safe([L, multiarray.multiarray.scalar, np.dtype, *[getattr(np.dtypes, dt) for dt in np.dtypes.__all__]])
         torch_load_kwargs.setdefault('weights_only', True)
     else: ctx = nullcontext()
-    try:
-        with ctx: state = torch.load(path, **{**torch_load_kwargs, 'map_location': 'cpu', 'mmap': True})
-    except Exception: return None # fastai's own load reports what is wrong with the file itself
-    if isinstance(state, dict) and set(state) == {'model', 'opt'} and isinstance(state['opt'], dict): return state['opt'].get(scaler_key)
-    return None
+    kwargs = {**torch_load_kwargs, 'map_location': 'cpu'}
+    with ctx:
+        try: return torch.load(path, **kwargs, mmap=True)
+        except RuntimeError as e:
+            if 'mmap can only be used' not in str(e) or _truncated(path): raise
+            return torch.load(path, **kwargs) # (a file in torch's legacy format: read whole)
+
+def _truncated(path:Path) -> bool:
+    "Whether `path` was cut off while being written: empty, or a zip archive (torch's format) without the directory that ends one"
+    size = os.path.getsize(path)
+    if size == 0: return True
+    with open(path, 'rb') as f:
+        if f.read(4) != b'PK\x03\x04': return False
+        start = max(0, size - 65557) # the end-of-directory record: 22 bytes and a comment of up to 65535, the file's last
+        f.seek(start)
+        tail = f.read()
+    at = tail.rfind(b'PK\x05\x06')
+    return at < 0 or at + 22 > len(tail) or at + 22 + int.from_bytes(tail[at+20:at+22], 'little') != len(tail)
+
+def _read_checkpoint(path:Path, **torch_load_kwargs):
+    "The checkpoint at `path`, or an error that says the file is truncated"
+    try: return _torch_load(path, **torch_load_kwargs)
+    except FileNotFoundError: raise
+    except Exception as e:
+        if isinstance(e, EOFError) or (path.is_file() and _truncated(path)):
+            raise EOFError(f"{path} is truncated: the file ends before the checkpoint does ({os.path.getsize(path):,} bytes), "
+                           "so a save was cut off while writing it (`save_atomic` never leaves one behind). Nothing was loaded; "
+                           "load an earlier checkpoint.") from e
+        raise
+
+# %% ../nbs/05a_checkpoint.ipynb #88e3da29
+def _listed(items:list, n:int=5, sep:str=', ') -> str: return sep.join(items[:n]) + (f" and {len(items)-n} more" if len(items) > n else '')
+
+def _nonfinite(x) -> bool:
+    "Whether `x`, a tensor or a number, holds an inf or a NaN"
+    if isinstance(x, Tensor): return (x.is_floating_point() or x.is_complex()) and not bool(torch.isfinite(x).all())
+    return isinstance(x, numbers.Number) and not isinstance(x, bool) and not math.isfinite(abs(x))
+
+def _weight_misfits(saved, model:nn.Module, strict:bool) -> list: # What does not fit, a sentence each
+    "How the saved weights do not fit `model`: names missing or unexpected, other shapes or kinds, inf/NaN values"
+    if not isinstance(saved, dict): return [f"the weights are a {type(saved).__name__}, not a state dict"]
+    own,res = model.state_dict(),[]
+    missing,unexpected = [repr(k) for k in own if k not in saved],[repr(k) for k in saved if k not in own]
+    if strict and missing: res.append(f"weights of the model that the file lacks: {_listed(missing)}")
+    if strict and unexpected: res.append(f"weights in the file that the model does not have: {_listed(unexpected)}")
+    both = [(k,v,own[k]) for k,v in saved.items() if k in own and isinstance(v, Tensor) and isinstance(own[k], Tensor)]
+    shapes = [f"{k!r} is {tuple(v.shape)} in the file, {tuple(o.shape)} in the model" for k,v,o in both if v.shape != o.shape]
+    if shapes: res.append(f"weights of another shape: {_listed(shapes, sep='; ')}")
+    kinds = [repr(k) for k,v,o in both if v.is_floating_point() != o.is_floating_point()]
+    if kinds: res.append(f"weights that are floats in one and integers in the other: {_listed(kinds)}")
+    bad = [repr(k) for k,v in saved.items() if _nonfinite(v)]
+    if bad: res.append(f"weights with inf or NaN values: {_listed(bad)}")
+    return res
+
+# %% ../nbs/05a_checkpoint.ipynb #b1054167
+def _fits(t:Tensor, p:Tensor) -> bool: # (Adam's averages have the parameter's shape, Adafactor's factors broadcast to it)
+    try: return torch.broadcast_shapes(t.shape, p.shape) == p.shape
+    except RuntimeError: return False
+
+def _param_state_misfits(states:list, params:list, names:dict) -> list: # What does not fit, a sentence each
+    "How the per-parameter optimizer states `states` do not fit `params`, in the same order: other shapes, inf/NaN values"
+    shapes,bad = [],[]
+    for i,(s,p) in enumerate(zip(states, params)):
+        name = names.get(id(p), f'parameter {i}')
+        for k,v in (s.items() if isinstance(s, dict) else []):
+            if isinstance(v, Tensor) and not _fits(v, p): shapes.append(f"{name}'s {k} is {tuple(v.shape)}, the parameter {tuple(p.shape)}")
+            if _nonfinite(v): bad.append(f"{name}'s {k}")
+    return ([f"optimizer state of another shape: {_listed(shapes, sep='; ')}"] if shapes else []) + (
+            [f"optimizer state with inf or NaN values: {_listed(bad)}"] if bad else [])
+
+def _opt_misfits(saved, opt, model:nn.Module) -> list: # What does not fit, a sentence each
+    "How the saved optimizer state does not fit `opt` (a fastai `Optimizer`, or an `OptimWrapper` of a torch optimizer)"
+    if not isinstance(saved, dict): return [f"the optimizer state is a {type(saved).__name__}, not a state dict"]
+    opt = opt.opt if isinstance(opt, OptimizerWithScaler) else opt
+    names = {id(p):n for n,p in model.named_parameters()}
+    hypers = saved.get('hypers', saved.get('param_groups'))
+    bad = [f"{k} of group {i}" for i,h in enumerate(hypers if isinstance(hypers, (list, tuple, L)) else []) if isinstance(h, dict)
+           for k,v in h.items() if k != 'params' and _nonfinite(v)]
+    res = [f"optimizer hyper-parameters with inf or NaN values: {_listed(bad)}"] if bad else []
+    if isinstance(opt, Optimizer): # fastai's: a state per parameter, in `all_params`' order, and hypers per group
+        params = [p for p,*_ in opt.all_params()]
+        state,hypers = saved.get('state'),saved.get('hypers')
+        if not isinstance(state, (list, tuple, L)) or not isinstance(hypers, (list, tuple, L)):
+            return res + ["the optimizer state is not a fastai `Optimizer`'s (no 'state' and 'hypers' lists)"]
+        if len(hypers) != len(opt.param_lists):
+            res.append(f"the optimizer state has {len(hypers)} parameter groups, the learner's optimizer {len(opt.param_lists)}")
+        if len(state) != len(params):
+            return res + [f"the optimizer state is for {len(state)} parameters, the learner's optimizer has {len(params)}"]
+        return res + _param_state_misfits(state, params, names)
+    torch_opt = getattr(opt, 'opt', None)
+    if isinstance(opt, OptimWrapper) and isinstance(torch_opt, torch.optim.Optimizer): # torch's: states by index, groups of indices
+        state,groups = saved.get('state'),saved.get('param_groups')
+        if not isinstance(state, dict) or not isinstance(groups, list) or not all(isinstance(g, dict) and 'params' in g for g in groups):
+            return res + ["the optimizer state is not a torch optimizer's (no 'state' dict and 'param_groups' list)"]
+        own = [g['params'] for g in torch_opt.param_groups]
+        if len(groups) != len(own): return res + [f"the optimizer state has {len(groups)} parameter groups, the learner's optimizer {len(own)}"]
+        sizes = [(len(g['params']), len(o)) for g,o in zip(groups, own)]
+        if any(a != b for a,b in sizes):
+            return res + [f"the optimizer state's parameter groups hold {[a for a,_ in sizes]} parameters, the learner's optimizer's {[b for _,b in sizes]}"]
+        index = [(i,p) for g,o in zip(groups, own) for i,p in zip(g['params'], o)]
+        return res + _param_state_misfits([state.get(i, {}) for i,_ in index], [p for _,p in index], names)
+    # Another library's optimizer: its layout is its own, only its values are checked
+    bad = _nonfinite_at(saved)
+    return res + ([f"optimizer state with inf or NaN values: {_listed(bad)}"] if bad else [])
+
+def _nonfinite_at(x, at:str='') -> list: # Where in `x`, nested dicts, lists and tuples, a value holds inf/NaN
+    if isinstance(x, dict): return [w for k,v in x.items() for w in _nonfinite_at(v, f'{at}[{k!r}]')]
+    if isinstance(x, (list, tuple)): return [w for i,v in enumerate(x) for w in _nonfinite_at(v, f'{at}[{i}]')]
+    return [at] if _nonfinite(x) else []
+
+# %% ../nbs/05a_checkpoint.ipynb #37d271fd
+def _misfits(learn:Learner, state, with_opt:bool, strict:bool) -> list: # What does not fit, a sentence each
+    "Everything in the checkpoint `state` that does not fit `learn`: its weights, and with `with_opt` its optimizer state"
+    has_opt = isinstance(state, dict) and set(state) == {'model', 'opt'} # (fastai's layout: else the file is the weights alone)
+    res = _weight_misfits(state['model'] if has_opt else state, get_model(learn.model), strict)
+    if has_opt and with_opt: res += _opt_misfits({k:v for k,v in state['opt'].items() if k != scaler_key} if isinstance(state['opt'], dict)
+                                                 else state['opt'], learn.opt, get_model(learn.model))
+    return res
 
 @patch
 def load_checked(self:Learner,
@@ -187,12 +300,16 @@ def load_checked(self:Learner,
     device=None, # As for `learn.load`
     **kwargs # Passed to `learn.load` (`with_opt`, `strict`, and torch.load's)
 ) -> Learner:
-    "`learn.load` that checks the loss scaler's entry before loading anything, and never swallows a Ctrl-C"
+    "`learn.load`, all or nothing: the weights, optimizer state and loss scaler's state are checked before anything is loaded, and a Ctrl-C is never swallowed"
     path = join_path_file(file, self.path/self.model_dir, ext='.pth')
     if self.opt is None: self.create_opt()
-    if kwargs.get('with_opt', True) and isinstance(self.opt, OptimizerWithScaler):
-        entry = _scaler_entry(path, **{k:v for k,v in kwargs.items() if k not in ('with_opt', 'strict')})
-        if entry is not None: self.opt.scaler.check_state_dict(entry)
+    with_opt = kwargs.get('with_opt', True)
+    state = _read_checkpoint(path, **{k:v for k,v in kwargs.items() if k not in ('with_opt', 'strict')})
+    misfits = _misfits(self, state, with_opt, kwargs.get('strict', True))
+    if misfits: raise ValueError(f"{path} does not fit this learner, so nothing was loaded:\n- " + '\n- '.join(misfits))
+    entry = state['opt'].get(scaler_key) if isinstance(state, dict) and set(state) == {'model', 'opt'} and isinstance(state['opt'], dict) else None
+    if with_opt and entry is not None and isinstance(self.opt, OptimizerWithScaler): self.opt.scaler.check_state_dict(entry)
+    del state # (memory-mapped: fastai's load reads the file again, onto `device`)
     self.load(file, device=device, **kwargs)
     interrupted = getattr(self.opt, 'interrupted', None)
     if interrupted is not None:

@@ -25,9 +25,10 @@ def digits_dls(
     y = torch.tensor(d.target)
     idx = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     n_valid = len(x) // 5
-    ds = lambda i: list(zip(x[i], y[i]))
+    # fastai's `Datasets` of (image, label) pairs, not plain lists: `learn.export` empties the datasets (`new_empty`)
+    dsets = Datasets(list(zip(x, y)), tfms=[[ItemGetter(0)], [ItemGetter(1)]], splits=[idx[n_valid:].tolist(), idx[:n_valid].tolist()])
     set_seed(seed)
-    return DataLoaders.from_dsets(ds(idx[n_valid:]), ds(idx[:n_valid]), bs=bs, num_workers=0, device=device)
+    return dsets.dataloaders(bs=bs, num_workers=0, device=device)
 
 # %% ../nbs/04_digits.ipynb #1cf08c2d
 def digits_cnn(

@@ -6,14 +6,16 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/doctor.html.md"""
 
 # %% ../nbs/07_doctor.ipynb #01b42053
 from __future__ import annotations
-import math, random, re, warnings
+import contextlib, math, random, re, warnings, weakref
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn, Tensor
-from torch.nn.utils.parametrize import ParametrizationList
+from torch.nn.utils.parametrize import ParametrizationList, is_parametrized
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 from fastai.basics import Learner, patch, L
-from .cast import always_fp32, as_16bit_dtype, cast_model, cast_floats, cast_summary, KeptFor
+from .cast import always_fp32, as_16bit_dtype, cast_model, cast_floats, cast_summary, kept_tops, keeps_fp32, check_castable, KeptFor, CastRole
 from .scaler import LossScaler
 from .callback import MasterMixedPrecision
 from .distributed import world_size
@@ -40,12 +42,23 @@ def measured_modules(
     model:nn.Module, # The FP32 model
     dtype:torch.dtype=torch.float16, # The 16-bit type
     keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
-) -> dict: # name -> whether the module owns cast parameters (else it holds such modules), in `named_modules` order
-    "The modules the doctor measures: those that own cast parameters, and the modules above them, the model aside"
+) -> dict: # name -> 'owns' cast parameters, 'holds' modules that do, 'computes' (no cast parameter in it), or 'normalizes' (in FP32, on 16-bit inputs), in `named_modules` order
+    "The modules the doctor measures: every module that computes in 16 bits or on 16-bit inputs, the model aside"
     s = cast_summary(model, dtype, keep)
     owners = {_owner(model, n) for n in s.module[s.forward != 'float32']}
     above = {'.'.join(n.split('.')[:i]) for n in owners for i in range(1, n.count('.') + 1)}
-    return {n:n in owners for n,_ in model.named_modules() if n and (n in owners or n in above)}
+    tops = kept_tops(model, keep)
+    top_ids = {id(m) for m in tops}
+    norms = {id(m) for n,m in model.named_modules() if id(m) in top_ids and keeps_fp32(n, m)} # (kept for normalizing: they take 16-bit inputs)
+    fp32 = {id(o) for m in tops for o in m.modules()}
+    weights = {id(o) for m in model.modules() if is_parametrized(m) for o in m.parametrizations.modules()} # (judged in their module)
+    def role(n, m):
+        if n in owners: return 'owns'
+        if n in above: return 'holds'
+        if id(m) in norms: return 'normalizes'
+        if id(m) in fp32 or id(m) in weights or isinstance(m, (nn.ModuleList, nn.ModuleDict)): return None # (the last two: no forward)
+        return 'computes'
+    return {n:r for n,m in model.named_modules() if n and (r := role(n, m))}
 
 # %% ../nbs/07_doctor.ipynb #90f41939
 _kinds = ('in', 'act', 'grad') # a module's inputs, its output, the gradient of its output
@@ -59,6 +72,31 @@ def _floats(x) -> list:
     if isinstance(x, dict): x = list(x.values())
     if isinstance(x, (list, tuple)): return [t for o in x for t in _floats(o)]
     return []
+
+_fill_bits = (127 + 64) << 23 # |x| >= 2**64, as FP32's bits: a mask's fill (-inf, `finfo(float32).min`, -1e30), no activation
+
+def _top(x:Tensor) -> Tensor:
+    "The largest magnitude in `x` below 2**64, as FP32's bits (their order is the magnitudes'): a mask's fill is not arithmetic"
+    bits = _plain(x).float().view(torch.int32) & 0x7fffffff
+    return bits.masked_fill(bits >= _fill_bits, 0).max()
+
+def _op_name(func) -> str:
+    "`mul` for `torch.mul`, `Tensor.mul_`, `Tensor.__mul__` and `Tensor.__rmul__`"
+    n = getattr(func, '__name__', type(func).__name__)
+    return n[3:-2] if n.startswith('__r') and n.endswith('__') and n != '__repr__' else n.strip('_')
+
+_unset = {'empty', 'new_empty', 'empty_like', 'empty_strided'} # functions whose result is memory not yet written: no values to count
+
+def _queue() -> dict: # this batch's measures, added to the statistics once per batch
+    return dict(es=[], tops=[], slots=[], errs=[], kept_errs=[], norms=[], mods=[], own_tops=[], own_slots=[])
+
+class _OwnArithmetic(TorchFunctionMode):
+    "Hands each torch function's result to the probe, which counts it for the innermost measured module running it"
+    def __init__(self, probe): super().__init__(); self.probe = probe
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.probe._own(func, out) # (the mode is off in here: the probe's own ops are not counted)
+        return out
 
 class PrecisionProbe:
     "Range and precision statistics of the modules `to_mixed` would cast, kept as device tensors until `read`"
@@ -77,74 +115,141 @@ class PrecisionProbe:
         self.largest = torch.zeros(n_slots, device=self.device) # of the magnitudes
         self.hist = torch.zeros(n_slots * _nbins, dtype=torch.float64, device=self.device) # of the exponents
         self.error = torch.zeros(len(self.owns), dtype=torch.float64, device=self.device) # the largest relative error in 16 bits
-        self._pending = ([], [], [], [], [], []) # this batch's exponents, largest values and their slots, 16-bit errors, norms, modules
+        self.kept_error = torch.zeros(len(self.owns), dtype=torch.float64, device=self.device) # the same, kept in FP32 on 16-bit inputs
+        self.own = {} # (module, op) -> slot: the results of the module's own arithmetic, outside its children ('' the model's)
+        self.own_largest = torch.zeros(0, device=self.device) # of their magnitudes, a slot per (module, op)
+        self._pending = _queue()
         self.failed = {} # name -> the error the module's 16-bit forward raised
         self.outs = [] # (name, output) of the batch being measured, for the backward
+        self.makers,self._made = {},{} # name -> the modules whose arithmetic made its inputs ('' the model's); id(tensor) -> (that module, weakref), this batch
+        self._fp32 = {} # id -> tensor of this batch that stays FP32 in the fit: the model's inputs, what FP32 layers make of them
         self.cast = cast_model(model, dtype, keep) # off: only the 16-bit reruns switch it on
-        self._rerunning,self._rng = False,{}
+        self._given = {} # name -> the inputs of a module that overwrites them (`inplace=True`), as they were
+        self._rerunning,self._busy,self._rng,self._running = False,False,{},[] # `_running`: measured modules (None: a kept one) in their forward, innermost last
         mods = dict(model.named_modules())
-        try: self.handles = [h for n in self.owns for h in (mods[n].register_forward_pre_hook(self._before(n)),
-                                                             mods[n].register_forward_hook(self._after(n), with_kwargs=True))]
+        try:
+            self.handles = [h for n in self.owns for h in (mods[n].register_forward_pre_hook(self._before(n)),
+                                                           mods[n].register_forward_hook(self._after(n), with_kwargs=True))]
+            self.handles += [h for m in self.cast.kept for h in (m.register_forward_pre_hook(self._enter_kept),
+                                                                m.register_forward_hook(self._leave_kept))]
         except BaseException:
-            self.cast.restore()
+            self.close()
             raise
 
     def close(self) -> None:
         "Remove every hook, the probe's and the cast's"
-        for h in self.handles: h.remove()
+        for h in getattr(self, 'handles', []): h.remove()
         self.cast.restore()
         self.outs = []
 
     def _count(self, name:str, kind:str, xs:list) -> None:
         "Queue the exponents and the largest magnitude of `xs` for `name`'s `kind`: integer ops on the device, no host sync"
-        es,tops,slots = self._pending[:3]
+        q = self._pending
         slot = self.index[name] * len(_kinds) + _kinds.index(kind)
         for x in xs:
             bits = _plain(x).float().view(torch.int32) & 0x7fffffff # |x| as bits: its order is that of the magnitudes
-            tops.append(bits.max())
-            slots.append(slot)
-            es.append(((bits >> 23) + slot * _nbins).flatten()) # the exponent field, in the slot's bins
+            q['tops'].append(bits.max())
+            q['slots'].append(slot)
+            q['es'].append(((bits >> 23) + slot * _nbins).flatten()) # the exponent field, in the slot's bins
+
+    def _own(self, func, out) -> None:
+        "Queue the largest magnitude `func` made, for the innermost measured module running it (not a kept one's, in FP32)"
+        if self._rerunning or self._busy: return
+        where = self._running[-1] if self._running else '' # outside every measured module: the model's own forward
+        xs = [x for x in _floats(out) if x.layout == torch.strided and not x.is_nested and x.device == self.device]
+        op = _op_name(func)
+        if where is None or not xs or op in _unset: return
+        try: tops = [_top(x) for x in xs]
+        except RuntimeError: return # (a tensor whose bits cannot be viewed, as a functorch transform's: not counted, the forward goes on)
+        self._pending['own_tops'] += tops
+        self._pending['own_slots'] += [self.own.setdefault((where, op), len(self.own))] * len(xs)
+        self._made.update({id(x):(where, weakref.ref(x)) for x in xs}) # (an in-place op: the module that wrote it last)
+
+    def _maker(self, x:Tensor) -> str|None:
+        "The module whose own arithmetic made `x` in this batch ('' the model's), if any"
+        e = self._made.get(id(x))
+        return e[0] if e is not None and e[1]() is x else None
 
     def _flush(self) -> None:
-        "Add the batch's queue to the statistics: one `index_add_` and two `scatter_reduce_` for all modules"
-        es,tops,slots,errs,norms,mods = self._pending
-        if es:
-            bins = torch.cat(es).long() # (not `bincount`, which reads its largest input on the host to size its output)
+        "Add the batch's queue to the statistics: one `index_add_` and a few `scatter_reduce_` for all modules"
+        q = self._pending
+        if q['es']:
+            bins = torch.cat(q['es']).long() # (not `bincount`, which reads its largest input on the host to size its output)
             self.hist.index_add_(0, bins, torch.ones(len(bins), dtype=self.hist.dtype, device=self.device))
-            idx = torch.tensor(slots, device=self.device)
-            self.largest.scatter_reduce_(0, idx, torch.stack(tops).view(torch.float32), 'amax')
-        if errs:
-            rel = (torch.stack(errs).double() / torch.stack(norms).double().clamp_min(torch.finfo(torch.float64).tiny))
-            self.error.scatter_reduce_(0, torch.tensor(mods, device=self.device), rel, 'amax')
-        self._pending = ([], [], [], [], [], [])
+            idx = torch.tensor(q['slots'], device=self.device)
+            self.largest.scatter_reduce_(0, idx, torch.stack(q['tops']).view(torch.float32), 'amax')
+        if q['errs']:
+            norms,idx = torch.stack(q['norms']).double().clamp_min(torch.finfo(torch.float64).tiny),torch.tensor(q['mods'], device=self.device)
+            self.error.scatter_reduce_(0, idx, torch.stack(q['errs']).double() / norms, 'amax')
+            self.kept_error.scatter_reduce_(0, idx, torch.stack(q['kept_errs']).double() / norms, 'amax')
+        if q['own_tops']:
+            grown = len(self.own) - len(self.own_largest) # (slots of ops first seen in this batch)
+            self.own_largest = torch.cat([self.own_largest, self.own_largest.new_zeros(grown)])
+            self.own_largest.scatter_reduce_(0, torch.tensor(q['own_slots'], device=self.device),
+                                             torch.stack(q['own_tops']).view(torch.float32), 'amax')
+        self._pending = _queue()
 
     def _before(self, name:str):
         "Keep the random state and the attributes of the module and its children as the forward starts, for the rerun"
         def hook(m, args):
-            if not self._rerunning: self._rng[name] = (_rng_state(self.device), _attrs(m))
+            if self._rerunning: return
+            self._rng[name] = (_rng_state(self.device), _attrs(m), [x._version for x in _floats(args)])
+            self._running.append(name)
+            if getattr(m, 'inplace', False): # (torch's activations, dropouts): its forward overwrites its input, which the rerun needs
+                with torch.no_grad(): self._given[name] = tree_map(lambda x: x.clone() if isinstance(x, Tensor) and x.is_floating_point() else x, args)
         return hook
 
     def _after(self, name:str):
         def hook(m, args, kwargs, out):
             if self._rerunning: return None
-            self._count(name, 'in', _floats((args, kwargs)))
-            outs = _floats(out)
-            self._count(name, 'act', outs)
-            self.outs += [(name, o) for o in outs if o.requires_grad]
-            if name not in self.failed: self._rerun(name, m, args, kwargs, outs)
+            self._running.pop()
+            self._busy = True # (what the hook computes is not the module's arithmetic)
+            try:
+                given = self._given.pop(name, None)
+                ins,outs = _floats((args, kwargs)),_floats(out)
+                self._count(name, 'in', ins if given is None else _floats(given))
+                self.makers.setdefault(name, set()).update(m for m in map(self._maker, ins) if m is not None)
+                self._made.update({id(o):(name, weakref.ref(o)) for o in outs if self._maker(o) is None}) # (else made inside it: that one)
+                if self.owns[name] == 'computes' and ins and all(id(x) in self._fp32 for x in ins): self._fp32.update({id(o):o for o in outs})
+                self._count(name, 'act', outs)
+                self.outs += [(name, o) for o in outs if o.requires_grad]
+                # its input written in place (by a child: an inplace dropout first in a block) or its output a view of it: not rerun
+                gone = given is None and ([x._version for x in _floats(args)] != self._rng[name][2] or
+                                          any(o.data_ptr() == x.data_ptr() for o in outs for x in ins))
+                if gone: del self._rng[name]
+                if name not in self.failed and not gone: self._rerun(name, m, args if given is None else given, kwargs, outs)
+            finally: self._busy = False
             return None
         return hook
 
+    def _enter_kept(self, m, args):
+        if not self._rerunning: self._running.append(None)
+
+    def _leave_kept(self, m, args, out):
+        if self._rerunning: return
+        self._running.pop()
+        if self.cast.roles[id(m)] is CastRole.FP32_INPUT: self._fp32.update({id(o):o for o in _floats(out)}) # (a norm's is 16-bit)
+
     def _rerun(self, name:str, m:nn.Module, args, kwargs, outs:list) -> None:
-        "Rerun `m` in 16 bits on the same input, random state and attributes; keep the largest relative error of its output"
+        """Rerun `m` in 16 bits on the same input, random state and attributes, and once more in FP32 on its inputs rounded to
+        16 bits (as the fit hands them to a module it keeps); keep the largest relative error of each output"""
         dev = self.device
-        (rng,attrs),now = self._rng.pop(name),(_rng_state(dev), _attrs(m))
+        (rng,attrs,_),now = self._rng.pop(name),(_rng_state(dev), _attrs(m))
+        def inputs(f): # copies (a rerun may write its inputs in place: an inplace dropout), each as `f` makes it unless made in FP32
+            return tree_map(lambda x: x if not isinstance(x, Tensor) or not x.is_floating_point() else
+                            x.detach().clone() if id(x) in self._fp32 else f(x.detach()), (args, kwargs))
+        sixteen = self.owns[name] in ('computes', 'normalizes') # (the cast casts the inputs of the others)
+        (args,kwargs),rounded = inputs(lambda x: x.to(self.dtype) if sixteen else x.clone()),inputs(lambda x: x.to(self.dtype).float())
         self._rerunning = True
         try:
             _set_rng_state(rng, dev)
             _set_attrs(attrs)
             self.cast.begin()
             with torch.no_grad(): out16 = _floats(m(*args, **kwargs))
+            self.cast.active = False
+            _set_rng_state(rng, dev)
+            _set_attrs(attrs)
+            with torch.no_grad(): kept = _floats(m(*rounded[0], **rounded[1]))
         except (RuntimeError, TypeError, ValueError) as e:
             self.failed[name] = e
             return
@@ -152,30 +257,31 @@ class PrecisionProbe:
             self.cast.active,self._rerunning = False,False # (not `end()`: the casts serve the next modules of the batch)
             _set_rng_state(now[0], dev)
             _set_attrs(now[1]) # as the FP32 forward left them
-        if len(out16) != len(outs) or any(a.shape != b.shape for a,b in zip(out16, outs)):
+        if any(len(o) != len(outs) or any(a.shape != b.shape for a,b in zip(o, outs)) for o in (out16, kept)):
             self.failed[name] = ValueError('its 16-bit output has another shape')
             return
-        diff = torch.cat([(_plain(a).float() - _plain(b).float()).flatten() for a,b in zip(out16, outs)])
-        ref = torch.cat([_plain(b).float().flatten() for b in outs])
-        self._pending[3].append(torch.linalg.vector_norm(diff))
-        self._pending[4].append(torch.linalg.vector_norm(ref))
-        self._pending[5].append(self.index[name])
+        diff = lambda os: torch.linalg.vector_norm(torch.cat([(_plain(a).float() - _plain(b).float()).flatten() for a,b in zip(os, outs)]))
+        self._pending['errs'].append(diff(out16))
+        self._pending['kept_errs'].append(diff(kept))
+        self._pending['norms'].append(torch.linalg.vector_norm(torch.cat([_plain(b).float().flatten() for b in outs])))
+        self._pending['mods'].append(self.index[name])
 
     def measure(self,
         xb:tuple, # The model's inputs
         loss_fn, # Called with the model's output, returns the loss
     ) -> None:
         "Run one batch forward and backward in FP32, recording every measured module's statistics"
-        self.outs = []
+        self.outs,self._running,self._made,self._fp32 = [],[],{},{id(x):x for x in _floats(xb)}
         try:
             with torch.enable_grad():
-                loss = loss_fn(self.model(*xb))
+                with _OwnArithmetic(self): out = self.model(*xb)
+                loss = loss_fn(out)
                 if self.outs and loss.requires_grad: # the gradients of the outputs only: no `.grad` written
                     grads = torch.autograd.grad(loss, [o for _,o in self.outs], allow_unused=True)
                     for (name,_),g in zip(self.outs, grads):
                         if g is not None: self._count(name, 'grad', [g])
             self._flush()
-        finally: self.outs,self._pending = [],([], [], [], [], [], [])
+        finally: self.outs,self._pending,self._made,self._fp32 = [],_queue(),{},{}
 
     def _forward_verdict(self, name:str, r:dict) -> tuple|None: # (verdict, reason, a word or two for `KeptFor`)
         t,fi = str(self.dtype).split('.')[1],torch.finfo(self.dtype)
@@ -185,17 +291,41 @@ class PrecisionProbe:
             if isinstance(e, RuntimeError) and _clash.search(str(e)):
                 return 'keep FP32',f"its forward mixes dtypes: in {t} it raises \"{first}\"",'forward mixes dtypes'
             return 'keep FP32',f"its forward fails in {t}: \"{first}\"",'forward fails in 16 bits'
-        if min(r['in_headroom'], r['act_headroom']) < headroom_min:
-            side,v = ('inputs','in_max') if r['in_headroom'] < headroom_min else ('activations','act_max') # the inputs first: the cause
-            where = 'beyond' if r[v] > fi.max else f"less than {headroom_min:g} bit below"
-            return 'keep FP32',f"overflow: its {side} reach {_num(r[v])}, {where} {t}'s largest {_num(fi.max)}",'overflow'
+        # a normalization computes in FP32 already: an overflow it receives is judged where it is made, its own error here
+        if self.owns[name] == 'normalizes': return None if r['in_headroom'] < headroom_min else self._sensitivity_verdict(name, r)
+        # the inputs first: a module that receives an overflow is kept, and so is the one that makes it (its own arithmetic)
+        for side,v,room in (('inputs','in_max','in_headroom'), (f"own `{r['own_op']}`",'own_max','own_headroom'), ('activations','act_max','act_headroom')):
+            if r[room] < headroom_min:
+                where = 'beyond' if r[v] > fi.max else f"less than {headroom_min:g} bit below"
+                return 'keep FP32',f"overflow: its {side} reach{'es' if v == 'own_max' else ''} {_num(r[v])}, {where} {t}'s largest {_num(fi.max)}",'overflow'
         under = max(r['in_underflow'], r['act_underflow'])
         if under > underflow_max:
             return 'keep FP32',f"underflow: {under:.0%} of its nonzero activations fall below {t}'s smallest normal {fi.smallest_normal:.3g}",'underflow'
+        return self._sensitivity_verdict(name, r)
+
+    def _sensitivity_verdict(self, name:str, r:dict) -> tuple|None: # (verdict, reason, 'sensitivity'), or None: fine
+        t,fi = str(self.dtype).split('.')[1],torch.finfo(self.dtype)
         if not r['sensitivity'] <= sensitivity_max * fi.eps: # (NaN too)
-            return ('keep FP32',f"sensitivity: its {t} output is {r['sensitivity']:.2g} off FP32's ({r['sensitivity'] / fi.eps:.0f} "
-                    f"epsilons of {t})",'sensitivity')
+            said = f"sensitivity: its {t} output is {r['sensitivity']:.2g} off FP32's ({r['sensitivity'] / fi.eps:.0f} epsilons of {t})"
+            if not r['kept_sensitivity'] <= sensitivity_max * fi.eps: # in FP32 it still loses: its inputs, rounded to 16 bits, lack what it needs
+                said += f", and in FP32 on its {t} inputs still {r['kept_sensitivity']:.2g}: they lose what it needs when rounded to {t}"
+                makers = r['inputs_from']
+                if makers and '' not in makers:
+                    return 'keep FP32',f"{said}, so what makes them is kept too: {', '.join(f'`{m}`' for m in makers)}",'sensitivity'
+                by = "the model's own forward makes them, which no module keeps" if makers else 'no module the doctor measures makes them'
+                return ('train in FP32',f"{said}, and {by}: keeping does not bring it within reach of FP32. Train this model in FP32 "
+                        "(`learn.to_unmixed()`)" + (", or move what makes its inputs into a module of its own" if makers else ''),'sensitivity')
+            return 'keep FP32',said,'sensitivity'
         return None
+
+    def _model_verdict(self, op:str, top:float) -> dict: # a row for the model, whose own forward no keeping reaches
+        t,fi = str(self.dtype).split('.')[1],torch.finfo(self.dtype)
+        where = 'beyond' if top > fi.max else f"less than {headroom_min:g} bit below"
+        reason = (f"overflow: its own `{op}`, in the model's forward outside every module, reaches {_num(top)}, {where} {t}'s largest "
+                  f"{_num(fi.max)}: no module keeps it in FP32. Move that operation into a module of its own (keep_fp32='auto' then "
+                  "keeps it), or train this model in FP32 (`learn.to_unmixed()`)")
+        return dict(module='', type=type(self.model).__name__, verdict='train in FP32', reason=reason, own_max=top,
+                    own_headroom=_bits(torch.finfo(self.dtype).max, top), inputs_from=(), keep_as='')
 
     def _grad_verdict(self, r:dict) -> tuple: # (verdict, reason, '')
         t = str(self.dtype).split('.')[1]
@@ -210,18 +340,22 @@ class PrecisionProbe:
         "The scale to use: dynamic, or the power of two that leaves the model's largest gradient `headroom_min` below the top"
         if self.dynamic: return f"its gradients span more than {str(self.dtype).split('.')[1]}'s range: keep it in FP32 with keep_fp32"
         k = math.floor(math.log2(torch.finfo(self.dtype).max / self.grad_max) - headroom_min) if 0 < self.grad_max < math.inf else None
+        if k is not None and self.dtype == torch.float16 and 2.**k > 65504: k = None # (`to_mixed` refuses a static float16 scale above 65504)
         return "use loss_scale='dynamic'" + (f" (or a static 2**{k})" if k is not None else '')
 
     def read(self) -> 'pd.DataFrame': # A row per measured module, the riskiest first
         "The statistics and verdicts, read from the device in one transfer"
         import pandas as pd
         if not self.owns: return pd.DataFrame(columns=_columns)
-        m,k = len(self.owns),len(_kinds)
-        flat = np.array(torch.cat([self.largest.double(), self.hist, self.error]).tolist()) # the one host sync
-        v = np.zeros((m, k, _nbins + 2)) # per module and kind: the largest magnitude, the histogram, (kind 0) the 16-bit error
+        m,k,n_own = len(self.owns),len(_kinds),len(self.own)
+        flat = np.array(torch.cat([self.largest.double(), self.hist, self.error, self.kept_error, self.own_largest.double()]).tolist()) # the one host sync
+        v = np.zeros((m, k, _nbins + 2)) # per module and kind: the largest magnitude, the histogram, (kinds 0, 1) the 16-bit errors
         v[:, :, 0] = flat[:m*k].reshape(m, k)
         v[:, :, 1:-1] = flat[m*k:m*k + m*k*_nbins].reshape(m, k, _nbins)
-        v[:, 0, -1] = flat[m*k + m*k*_nbins:]
+        v[:, 0, -1],v[:, 1, -1] = flat[m*k + m*k*_nbins:][:m],flat[m*k + m*k*_nbins:][m:2*m]
+        own = {} # module -> (its own op with the largest result, that result)
+        for (name,op),top in zip(self.own, flat[len(flat) - n_own:] if n_own else []):
+            if top > own.get(name, ('', -1.))[1]: own[name] = (op, top)
         big = torch.finfo(self.dtype).max
         runs_in = {} # a module whose rerun failed alone, and the nearest block above it whose rerun ran it
         for n in self.failed:
@@ -231,11 +365,14 @@ class PrecisionProbe:
         rows,firsts = [],{}
         for name,o in zip(self.owns, v):
             (_, in_under),(act_over, act_under) = [_shares(o[k, 1:-1], self.dtype, 1.) for k in (0, 1)]
-            sens = math.nan if name in self.failed else o[0, -1]
+            sens,kept_sens = (math.nan,math.nan) if name in self.failed else (o[0, -1],o[1, -1])
+            op,own_max = own.get(name, ('', 0.))
             r = dict(in_max=o[0, 0], in_headroom=_bits(big, o[0, 0]), in_underflow=in_under, act_max=o[1, 0], act_headroom=_bits(big, o[1, 0]),
-                     act_floor=_floor(o[1, 1:-1], big, 1.), act_overflow=act_over, act_underflow=act_under, sensitivity=sens)
+                     act_floor=_floor(o[1, 1:-1], big, 1.), act_overflow=act_over, act_underflow=act_under, own_op=op, own_max=own_max,
+                     own_headroom=_bits(big, own_max), sensitivity=sens, kept_sensitivity=kept_sens,
+                     inputs_from=tuple(sorted(self.makers.get(name, ()))))
             firsts[name] = self._forward_verdict(name, r)
-            if name in runs_in: r['sensitivity'] = math.nan # (not measured alone)
+            if name in runs_in: r['sensitivity'] = r['kept_sensitivity'] = math.nan # (not measured alone)
             rows.append((name, o, r))
         # the gradients that stay 16-bit: of the modules not kept, nor inside a kept one
         kept = [n for n,f in firsts.items() if f is not None]
@@ -252,9 +389,10 @@ class PrecisionProbe:
             verdict,reason,why = firsts[name] or (('fine',f"in FP32 inside `{inside}`",'') if inside else self._grad_verdict(r))
             if name in runs_in and verdict == 'fine' and not reason: reason = f"runs in 16 bits only inside `{runs_in[name]}`, judged there"
             out.append(dict(module=name, type=type(mods[name]).__name__, verdict=verdict, reason=reason, **r, keep_as=why))
+        if '' in own and _bits(big, own[''][1]) < headroom_min: out.append(self._model_verdict(*own['']))
         res = pd.DataFrame(out, columns=_columns)
         rank = res.verdict.map(_order)
-        room = res[['in_headroom', 'act_headroom', 'grad_headroom']].min(axis=1)
+        room = res[['in_headroom', 'act_headroom', 'own_headroom', 'grad_headroom']].min(axis=1)
         res = res.iloc[np.lexsort((room.values, rank.values))].reset_index(drop=True)
         res.attrs.update(dtype=self.dtype, loss_scale=self.scale, dynamic=self.dynamic)
         return res
@@ -301,10 +439,10 @@ def _floor(h:np.ndarray, big:float, scale:float, share:float=underflow_max) -> f
     return math.log2(big) - (k - 127 + math.log2(scale)) # (from the bin's lower edge)
 
 # %% ../nbs/07_doctor.ipynb #5261144a
-_order = {'keep FP32':0, 'needs loss scaling':1, 'fine':2}
+_order = {'train in FP32':0, 'keep FP32':1, 'needs loss scaling':2, 'fine':3}
 _columns = ['module', 'type', 'verdict', 'reason', 'in_max', 'in_headroom', 'in_underflow', 'act_max', 'act_headroom', 'act_floor',
-            'act_overflow', 'act_underflow', 'grad_max', 'grad_headroom', 'grad_floor', 'grad_overflow', 'grad_underflow',
-            'sensitivity', 'keep_as']
+            'act_overflow', 'act_underflow', 'own_op', 'own_max', 'own_headroom', 'grad_max', 'grad_headroom', 'grad_floor', 'grad_overflow', 'grad_underflow',
+            'sensitivity', 'kept_sensitivity', 'inputs_from', 'keep_as']
 
 # %% ../nbs/07_doctor.ipynb #26fe011e
 class _Untouched:
@@ -357,9 +495,19 @@ def precision_report(self:Learner,
     loss_scale:str|float|None=None, # As `to_mixed`'s ('auto', 'dynamic', a number); None: the learner's scaler, else 'auto'
 ) -> 'pd.DataFrame': # A row per module the cast would turn to 16 bits, the riskiest first
     "Which layers 16 bits would break, measured on a few training batches in FP32, and why; the learner is left untouched"
+    if isinstance(n_batches, bool) or not isinstance(n_batches, int):
+        raise TypeError(f"n_batches must be a positive int (training batches to measure), got {type(n_batches).__name__} {n_batches!r}")
+    if n_batches < 1: raise ValueError(f"n_batches must be a positive int (training batches to measure), got {n_batches!r}")
+    bad = [k for k in L(keep_fp32) if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)))]
+    if bad: raise TypeError(f"keep_fp32 takes None, module types (subclasses of nn.Module, e.g. nn.LayerNorm) or name patterns "
+                            f"(strings, e.g. 'head'), or a list of them; these are neither: {bad!r}")
     dtype,keep,scale,dynamic = _setting(self, dtype, keep_fp32, loss_scale)
-    if not isinstance(n_batches, int) or n_batches < 1: raise ValueError(f"n_batches must be a positive int, got {n_batches!r}")
     return _report(self, dtype, keep, scale, dynamic, n_batches)
+
+def _eager():
+    "Compiled modules run eagerly while measured: the probe's hooks would have dynamo compile graphs the fit never runs"
+    stance = getattr(torch.compiler, 'set_stance', None) # torch 2.6 and later; before, a compiled model compiles for the hooks too
+    return stance('force_eager') if stance else contextlib.nullcontext()
 
 def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:bool, n_batches:int) -> 'pd.DataFrame':
     "The report on the first `n_batches` of `learn.dls.train`, everything put back as it was"
@@ -372,7 +520,7 @@ def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:b
         learn.pred = pred
         learn('after_pred')
         return learn.loss_func(cast_floats(learn.pred, torch.float32), *learn.yb)
-    with _Untouched(learn):
+    with _Untouched(learn), _eager():
         probe = PrecisionProbe(model, dtype, keep, scale, dynamic)
         try:
             model.train()
@@ -406,7 +554,7 @@ def plot_headroom(
     ax.axvline(0, color='red', lw=1.5, label=f"overflow: {name}'s largest, {fi.max:.3g}")
     ax.axvline(headroom_min, color='red', lw=1, ls=':', label=f'{headroom_min:g} bit: kept in FP32')
     ax.axvline(span, color='gray', lw=1.5, ls='--', label=f"underflow: smallest normal, {fi.smallest_normal:.3g}")
-    marks = {'keep FP32':' (keep FP32)', 'needs loss scaling':' (loss scaling)', 'fine':''}
+    marks = {'train in FP32':' (train in FP32)', 'keep FP32':' (keep FP32)', 'needs loss scaling':' (loss scaling)', 'fine':''}
     ax.set_yticks(y, [f"{m} {t}{marks[v]}" for m,t,v in zip(r.module, r.type, r.verdict)])
     ax.set_xlim(*lim)
     ax.set_xlabel(f"bits below {name}'s largest finite value (headroom)")
@@ -417,18 +565,36 @@ def plot_headroom(
 def auto_keep(
     report:'pd.DataFrame', # What `Learner.precision_report` returned
 ) -> tuple: # `KeptFor` entries for `keep`
-    "The modules of `report` to keep in FP32: each flagged one with no flagged module inside it"
-    flagged = report[report.verdict == 'keep FP32']
+    "The modules of `report` to keep in FP32: each flagged one whose own arithmetic overflows, each other with no flagged module inside it, and what makes the inputs of one whose inputs lose what it needs"
+    flagged = report[report.verdict.isin(('keep FP32', 'train in FP32')) & (report.module != '')] # (not the model: all of it in FP32 is no mixed precision)
     names = list(flagged.module)
+    makes = set(flagged.module[(flagged.own_headroom < headroom_min) & ~(flagged.in_headroom < headroom_min)]) # an overflow, not one it received
     inner = lambda n: any(o != n and o.startswith(n + '.') for o in names)
-    return tuple(KeptFor(n, w) for n,w in zip(flagged.module, flagged.keep_as) if not inner(n))
+    picked = {n:w for n,w in zip(flagged.module, flagged.keep_as) if n in makes or not inner(n)}
+    eps = torch.finfo(report.attrs.get('dtype', torch.float16)).eps
+    for row in flagged.itertuples(): # (their inputs lose what it needs when rounded: the layers that make them, kept, hand them on in FP32)
+        if row.keep_as == 'sensitivity' and not row.kept_sensitivity <= sensitivity_max * eps and '' not in row.inputs_from:
+            for m in row.inputs_from: picked.setdefault(m, 'sensitivity')
+    within = lambda n: any(n.startswith(o + '.') for o in picked) # (kept with the module that holds it)
+    return tuple(KeptFor(n, w) for n,w in picked.items() if not within(n))
 
 # %% ../nbs/07_doctor.ipynb #1c5d2bd4
-def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype) -> None:
-    "One warning: what 'auto' keeps in FP32 and why, and the loss scale if gradients underflow"
+def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype, whole:bool=False) -> None:
+    "One warning: what 'auto' keeps in FP32 and why, whether that is not enough (then: FP32), and the loss scale if gradients underflow"
     t,why = str(dtype).split('.')[1],dict(zip(report.module, report.reason))
+    for n,made in zip(report.module, report.inputs_from): # a layer kept for what it makes
+        for m in made: why[m] = why.get(m) or f"it makes the inputs of `{n}`, which lose what it needs in {t}"
     msg = [f"to_mixed(keep_fp32='auto') keeps in FP32 what {t} would break: " + '; '.join(f"`{k.name}` ({why[k.name]})" for k in kept)
            + ' (see learn.mixed_summary()).'] if kept else []
+    fp32 = report[report.verdict == 'train in FP32']
+    if len(fp32):
+        named = {k.name for k in kept}
+        rest = '; '.join(f"{'the model' if m == '' else f'`{m}`'} ({r})" for m,r in zip(fp32.module, fp32.reason) if m not in named)
+        msg.append(f"to_mixed(keep_fp32='auto') is not enough for this model: what it keeps does not bring "
+                   + ', '.join('the model' if m == '' else f'`{m}`' for m in fp32.module) + " within reach of FP32. "
+                   f"Train it in FP32 (`learn.to_unmixed()`){': ' + rest if rest else ''}.")
+    if whole: msg.append(f"Keeping all it flags would keep every layer in FP32, so the largest stay in {t}: train this model in FP32 "
+                         "(`learn.to_unmixed()`) if the fit does not train as FP32 does.")
     scaling = report[report.verdict == 'needs loss scaling']
     if len(scaling): msg.append(f"The gradients of {len(scaling)} cast module(s) need loss scaling: {scaling.reason.iloc[0]}.")
     if msg: warnings.warn(' '.join(msg), stacklevel=4)
@@ -452,6 +618,14 @@ def auto_fp32(
 ) -> tuple: # `KeptFor` entries: what to keep in FP32 besides `keep`, the same on every rank
     "Measure the model and name what its 16-bit type would break; one warning says what and why"
     rep = _report(learn, dtype, keep, loss_scale, dynamic, auto_batches)
-    kept = _agreed(learn, auto_keep(rep))
-    _say_kept(kept, rep, dtype)
+    kept,whole = _agreed(learn, auto_keep(rep)),False
+    sizes = {n:sum(p.numel() for p in m.parameters()) for n,m in learn.model.named_modules()}
+    while kept and not _castable(learn.model, keep + kept): # keeping all of it would be FP32 training: the largest flagged stays cast
+        whole,kept = True,tuple(sorted(kept, key=lambda k: sizes[k.name])[:-1])
+    _say_kept(kept, rep, dtype, whole)
     return kept
+
+def _castable(model:nn.Module, keep:tuple) -> bool:
+    try: check_castable(model, keep)
+    except ValueError: return False
+    return True

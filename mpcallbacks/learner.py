@@ -60,7 +60,7 @@ def _torch_version() -> tuple: return tuple(int(x) for x in torch.__version__.sp
 @patch
 @delegates(MasterMixedPrecision.__init__)
 def to_mixed(self:Learner,
-    dtype:torch.dtype|str=torch.float16, # `torch.float16` or `torch.bfloat16`
+    dtype:torch.dtype|str|None=None, # `torch.float16` or `torch.bfloat16`; None: the fastest type the learner's device computes natively
     **kwargs
 ) -> Learner: # The learner itself, with one `MasterMixedPrecision` callback
     "Train in 16-bit mixed precision with FP32 master weights"
@@ -68,6 +68,7 @@ def to_mixed(self:Learner,
     _check_arguments(kwargs)
     check_no_fastai_fp16(self)
     cb = MasterMixedPrecision(dtype, **kwargs)
+    cb.choose_dtype(getattr(self.dls, 'device', None) or default_device()) # where fastai's fit puts the model (each fit chooses again)
     check_castable(self.model, cb.keep)
     if _compiled(self.model) and _torch_version() < (2, 14):
         warnings.warn(f"to_mixed with torch.compile is tested on torch 2.14 and newer. With torch {torch.__version__} (2.4 "
@@ -98,10 +99,21 @@ def mixed_summary(self:Learner,
     by_reason:bool=False, # Sum the parameters and bytes of the modules that share a reason
 ) -> 'pd.DataFrame': # A row per module with parameters of its own (or per reason)
     "Which layers `to_mixed` casts to 16 bits for the forward and which stay FP32, and why, with their sizes"
+    if not isinstance(by_reason, bool): raise TypeError(f"by_reason must be True or False, got {type(by_reason).__name__} {by_reason!r}")
     cbs = self._grab_cbs(MasterMixedPrecision)
     if not cbs: raise ValueError("mixed_summary() describes what `to_mixed()` does: call `learn.to_mixed()` first.")
     res = cast_summary(self.model, cbs[0].dtype, cbs[0].keep)
     return res.groupby(['forward', 'why'], sort=False)[['params', 'bytes']].sum().reset_index() if by_reason else res
+
+# %% ../nbs/05_learner.ipynb #bbb0fb2d
+@patch
+def plot_loss_scale(self:Learner,
+    ax=None, # Matplotlib axes to draw on; a new figure if None
+): # The axes
+    "Plot the loss scale at each optimizer step of `to_mixed`'s fits, with the skipped steps marked"
+    cbs = self._grab_cbs(MasterMixedPrecision)
+    if not cbs: raise ValueError("plot_loss_scale() draws what `to_mixed()` records: call `learn.to_mixed()` first.")
+    return cbs[0].plot_loss_scale(ax)
 
 # %% ../nbs/05_learner.ipynb #70e96e13
 _fastai_fit = getattr(Learner.fit, '__wrapped__', Learner.fit) # fastai's own, also if this module is reloaded
@@ -117,12 +129,7 @@ def _fit(self, *args, **kwargs):
     if not mine: return _fastai_fit(self, *args, **kwargs)
     for cb in mine:
         if isinstance(cb, MasterMixedPrecision): cb.measure_auto(self) # `keep_fp32='auto'`: measured before the first fit casts
-    with ExitStack() as stack:
+    with ExitStack() as stack: # (each ends its part however the fit ends; `MixedFit`'s raises a storm's error once every `after_fit` ran)
         for cb in mine: stack.enter_context(cb.running_fit())
-        res = _fastai_fit(self, *args, **kwargs)
-    for cb in mine:
-        if getattr(cb, 'stopped_by', None) is not None:
-            err,cb.stopped_by = cb.stopped_by,None
-            raise err
-    return res
+        return _fastai_fit(self, *args, **kwargs)
 Learner.fit = _fit

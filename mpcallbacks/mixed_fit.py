@@ -1,4 +1,4 @@
-"""The per-fit object of mixed precision: the model's cast for the forward, its masters' gradients, the ranks' agreement.
+"""The lifetime of a learner's mixed fits and their step: the model's cast for the forward, its masters' gradients, the ranks' agreement.
 
 Docs: https://mpcallbacks.github.io/mpcallbacks/mixed_fit.html.md"""
 
@@ -6,46 +6,159 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/mixed_fit.html.md"""
 
 # %% ../nbs/03a_mixed_fit.ipynb #64a94fc7
 from __future__ import annotations
+import math, warnings
+from contextlib import contextmanager
+from typing import Callable
+from enum import Enum
 import torch
 from torch import Tensor
 from fastai.basics import Learner
-from fastai.callback.core import CancelStepException
-from .cast import cast_model
+from fastai.callback.core import CancelStepException, CancelFitException
+from .cast import cast_model, warn_if_slow, _user_stacklevel
 from .master import MasterParams, GradPhase, local_tensor
 from .distributed import RankAgreement, fsdp_sharded
 from .scaler import LossScaler, NonFiniteGradients
 
 # %% auto #0
-__all__ = ['MixedFit']
+__all__ = ['FitPhase', 'SkippedStepsWarning', 'MixedFit']
 
 # %% ../nbs/03a_mixed_fit.ipynb #52f39364
+class FitPhase(Enum):
+    "Where a learner's mixed precision stands (`MixedFit.phase`); `MixedFit` moves it only along `FitPhase.next`"
+    IDLE = 'idle' # No entry point running: nothing of ours registered, the model's parameters are its FP32 masters
+    FITTING = 'fitting' # A fit (`fit` and friends): the forward casts, each step scales, checks and steps or skips
+    INFERRING = 'inferring' # `get_preds`/`validate`/`predict`/`with learn:` outside a fit: FP32, or 16 bits for each validation pass
+    CLOSING = 'closing' # The close began and has not completed: the next call of any kind completes it first
+
+    @property
+    def next(self) -> set: # The phases this one may move to
+        "The legal transitions: a fit or an inference opens from idle, inference that trains becomes a fit, and everything ends by closing"
+        P = FitPhase
+        return {P.IDLE:{P.FITTING, P.INFERRING}, P.FITTING:{P.CLOSING}, P.INFERRING:{P.FITTING, P.CLOSING},
+                P.CLOSING:{P.IDLE}}[self]
+
+# %% ../nbs/03a_mixed_fit.ipynb #cc1bcfea
+class SkippedStepsWarning(UserWarning):
+    "A fit skipped optimizer steps for inf/NaN gradients (the end-of-fit line), or its first loss was not finite"
+
+# %% ../nbs/03a_mixed_fit.ipynb #26c584c9
+def _skipped_steps(skipped:int, steps:int, scale:float) -> str:
+    "The end-of-fit line for a fit that skipped some of its steps"
+    return (f"Mixed precision skipped {skipped} of {steps} optimizer steps for inf/NaN gradients; the loss scale is now {scale:g}. "
+            "See `learn.plot_loss_scale()`.")
+
+# %% ../nbs/03a_mixed_fit.ipynb #c05cc0d7
+def _every_step_skipped(steps:int, scaler:LossScaler, loss:float|None) -> str:
+    "Why a fit whose every step was skipped learned nothing, and what to try"
+    if loss is not None and not math.isfinite(loss):
+        causes = [f"the loss is {loss}, which no loss scale fixes: the inputs or targets are not finite (check them with "
+                  "`torch.isfinite`), the model's forward overflows in 16 bits (`learn.precision_report()` finds where), or "
+                  "the weights have blown up (a learning rate too high)"]
+    else:
+        if scaler.dynamic and scaler.scale > scaler.min_scale:
+            causes = ["the loss scale is still too high for these gradients (it halves at each skip: a longer fit, or a "
+                      "lower init_scale, reaches one that fits)"]
+        elif not scaler.dynamic and scaler.scale > 1:
+            causes = [f"the static loss scale {scaler.scale:g} makes the gradients overflow (use loss_scale='dynamic')"]
+        else: causes = ["the gradients overflow even without loss scaling: the learning rate is too high"]
+        if loss is None: causes.append("the loss is not finite (check the inputs and targets with `torch.isfinite`)")
+        causes.append("a layer overflows in 16 bits (`learn.precision_report()` finds it, keep_fp32 keeps it in FP32)")
+    return (f"All {steps} optimizer steps of this fit had inf/NaN gradients and were skipped (loss scale now {scaler.scale:g}): "
+            f"the weights are those the fit started from. Likely causes: {'; or '.join(causes)}.")
+
+# %% ../nbs/03a_mixed_fit.ipynb #b4546cd4
+def _loss_at_skip(loss:Tensor) -> float: # The loss, as a float
+    "Read the loss once a step was skipped, and say at once if it is not finite: no loss scale fixes that"
+    res = loss.detach().float().sum().item() if isinstance(loss, Tensor) else float(loss)
+    if not math.isfinite(res):
+        warnings.warn(f"A step was skipped with a loss of {res}, which no loss scale fixes: the inputs or targets are not "
+                      "finite (check them with `torch.isfinite`), the model's forward overflows in 16 bits "
+                      "(`learn.precision_report()` finds where), or the weights have blown up (a learning rate too high). "
+                      "Every step with a non-finite loss is skipped.", SkippedStepsWarning, stacklevel=_user_stacklevel())
+    return res
+
+# %% ../nbs/03a_mixed_fit.ipynb #a7f3c2d1
+_step_events = ('before_step', 'after_step', 'after_cancel_step') # where a step the optimizer took is settled already
+
 class MixedFit:
-    "What lives only during one fit: the model's cast for the forward, its masters' gradients, the ranks' agreement"
+    "The one owner of a learner's mixed fits: their lifetime (a `FitPhase`) and, while one runs, the model's cast, its masters' gradients, the ranks' agreement and the step"
     def __init__(self,
-        learn:Learner, # The learner whose model is cast
-        dtype:torch.dtype, # The 16-bit type
-        keep:tuple, # Types and name patterns of modules that stay in FP32
-        cast:bool=True, # Cast from the start (a fit); else only once training starts
-        per_pass:bool=False, # Without `cast`: cast for each validation pass only (16-bit inference), nothing registered outside one
         scaler:LossScaler|None=None, # The loss scaler the steps use; None: no scaling (a scale of 1), the inf/NaN check kept
     ):
-        self.learn,self.dtype,self.keep = learn,dtype,keep
         self.scaler = LossScaler(1., dynamic=False) if scaler is None else scaler
-        self.sharded = fsdp_sharded(learn.model) # FSDP2's `MixedPrecisionPolicy` casts a sharded model's forward: we never do
-        self.cast = cast_model(learn.model, dtype, keep) if cast and not self.sharded else None # The model's cast for the forward
-        try: self.grads,self.ranks = MasterParams([]),RankAgreement()
-        except BaseException: # nothing of a fit that did not start stays behind (an interrupt, an error)
-            if self.cast is not None: self.cast.restore()
-            raise
-        self.per_pass = per_pass and self.cast is None and not self.sharded # Whether each validation pass casts and uncasts the model
-        self.nested = 0 # `before_fit`s dispatched inside this fit (`get_preds` from a callback): their `after_fit` is not the end
+        self.phase = FitPhase.IDLE
+        self.fits = 0 # `Learner.fit` calls running (`running_fit`): a fit casts from the start, and ends when the outermost ends
+        self.stopped_by:Exception|None = None # What cancelled the fit (a storm of skipped steps), raised when every `after_fit` ran
+        self.fit_start:tuple|None = None # `(steps, skipped)` of the scaler when the running fit began: what its end reports
+        self.skip_loss:float|None = None # The loss once the host knew of the running fit's first skip (read once)
+        self._drop()
+
+    def _drop(self) -> None: # Nothing of a fit held between fits
+        self.learn = self.grads = self.ranks = self.dtype = self.keep = None
+        self.sharded = self.per_pass = False # (for each fit: whether FSDP2 casts the model, whether each validation pass casts)
+        self.cast = None # (last: a close an interrupt cut short before this line restores it again)
+        self.nested = 0 # `before_fit`s dispatched inside this one (`get_preds` from a callback): their `after_fit` is not the end
         self._outer = [] # whether casting was on when each running validation pass began
 
-    def __repr__(self): return f"{type(self).__name__}({self.cast}, {self.grads})"
+    def _to(self, phase:FitPhase) -> None:
+        if phase not in self.phase.next: raise RuntimeError(f"MixedFit cannot go from {self.phase.name} to {phase.name}")
+        self.phase = phase
+
+    def __repr__(self): return f"{type(self).__name__}({self.phase.name}, {self.cast}, {self.grads})"
+
+    def open(self,
+        learn:Learner, # The learner whose model is cast
+        dtype:torch.dtype|Callable, # The 16-bit type, or a function of the model's device that chooses it (`MasterMixedPrecision.choose_dtype`)
+        keep:tuple, # Types and name patterns of modules that stay in FP32
+        per_pass:bool=False, # Inference outside a fit casts for each validation pass (16-bit inference), nothing registered outside one
+        fit:bool|None=None, # Cast from the start (a fit); else only once training starts. None: whether `running_fit` is open
+    ) -> None:
+        "`before_fit`: open a fit, or an inference, unless one is running (`get_preds` from a callback, a fit inside a fit)"
+        if self.phase is FitPhase.CLOSING: self.close()
+        if self.phase is not FitPhase.IDLE:
+            if self.fits:
+                self.nested += 1
+                return
+            self.close() # left by a `with learn:` whose end never came
+        fit = bool(self.fits) if fit is None else fit
+        if callable(dtype): dtype = dtype(next(learn.model.parameters()).device) # (fastai's `before_fit` moved the model to its device)
+        sharded = fsdp_sharded(learn.model) # FSDP2's `MixedPrecisionPolicy` casts a sharded model's forward: we never do
+        self._to(FitPhase.FITTING if fit else FitPhase.INFERRING) # (first: from here on, `close` undoes whatever follows)
+        try:
+            self.learn,self.dtype,self.keep,self.sharded,self.stopped_by = learn,dtype,keep,sharded,None
+            self.fit_start,self.skip_loss = (len(self.scaler.history), self.scaler.skipped) if fit else None,None
+            self.per_pass = per_pass and not fit and not sharded
+            self.grads,self.ranks = MasterParams([]),RankAgreement()
+            if fit and not sharded: self.cast = cast_model(learn.model, dtype, keep) # The model's cast for the forward
+            if fit or per_pass: warn_if_slow(dtype, self.device)
+        except BaseException: # nothing of a fit that did not start stays behind (an interrupt, an error, a warning made an error)
+            self.close()
+            raise
+
+    def leave(self) -> None:
+        "`after_fit`: the end of what `open` opened, the last one closes"
+        if self.nested: self.nested -= 1
+        else: self.close()
+
+    def running_fit(self): # A context manager
+        "The length of one `Learner.fit` call: the fit casts from its `before_fit`, its close comes however it ends, and a storm's `NonFiniteGradients` is raised once every `after_fit` ran"
+        return _running_fit(self)
+
+    def dispatches(self,
+        event:str, # The name of a fastai event
+    ) -> bool: # Whether the callback acts on it
+        "Events act only while an entry point runs (`before_fit` opens one); a close an interrupt cut short is completed first, and a step the optimizer took, whose `after_step` never came, is settled"
+        if self.phase is FitPhase.CLOSING: self.close()
+        if self.phase is FitPhase.IDLE: return event == 'before_fit'
+        if event not in _step_events and self.grads.phase is GradPhase.STEPPING: self.update()
+        return True
 
     def start_training(self) -> None:
         "Cast the model if nothing did yet, and follow the optimizer's parameters (a new optimizer, `freeze`/`unfreeze`)"
         if self.cast is None and not self.sharded: self.cast = cast_model(self.learn.model, self.dtype, self.keep)
+        if self.phase is FitPhase.INFERRING: # (fastai's own `fit`, unwrapped)
+            self._to(FitPhase.FITTING)
+            self.fit_start,self.skip_loss = (len(self.scaler.history), self.scaler.skipped),None
         opt = getattr(self.learn, 'opt', None)
         self.grads.params = list({id(p):p for p in [*self.learn.model.parameters(),
                                                      *(p for pg in (opt.param_lists if opt else []) for p in pg)]}.values())
@@ -105,7 +218,8 @@ class MixedFit:
             return self.grads.stepping(guard=found_inf)
         if found_inf is None or not found_inf.item(): return self.grads.stepping()
         self.grads.skip()
-        self.scaler.update(True) # (the storm stop: `NonFiniteGradients`)
+        self._stop_on_storm(self.scaler.update, True)
+        self._check_loss()
         raise CancelStepException()
 
     def update(self) -> None:
@@ -114,7 +228,25 @@ class MixedFit:
         found_inf = False if self.grads.guard is None else self.grads.guard
         self.grads.stepped()
         if self.cast is not None: self.cast.drop_casts()
-        self.scaler.update(found_inf) # (the storm stop, for guarded steps read 25 at a time: `NonFiniteGradients`)
+        self._stop_on_storm(self.scaler.update, found_inf) # (guarded steps are read 25 at a time)
+        self._check_loss()
+
+    def _check_loss(self) -> None:
+        "Once the host knows of the fit's first skip (no read of its own for that), read the loss once and say at once if it is not finite"
+        if self.fit_start is None or self.skip_loss is not None or self.scaler.pending_steps: return
+        if self.scaler.skipped > self.fit_start[1]: self.skip_loss = _loss_at_skip(self.learn.loss_grad)
+
+    @property
+    def skipped_in_fit(self) -> int:
+        "Steps skipped since the running fit began (between fits: over the learner's life)"
+        return self.scaler.skipped - (self.fit_start[1] if self.fit_start is not None else 0)
+
+    def _stop_on_storm(self, update, found_inf) -> None:
+        try: update(found_inf)
+        except NonFiniteGradients as e: # end the fit the orderly way: every `after_fit` runs, then `running_fit` raises it
+            self.stopped_by = NonFiniteGradients(f"{e} {self.weights_note()}")
+            if not self.fits: raise self.stopped_by from e # fastai's own `fit` (unwrapped), or inference: raised here
+            raise CancelFitException() from e
 
     def cancel_step(self) -> None:
         "A step another callback cancelled: its gradients are dropped, as fastai's `zero_grad` would, and the optimizer unguarded"
@@ -128,11 +260,15 @@ class MixedFit:
         if torch.stack([torch.isfinite(p).all().to(ps[0].device) for p in ps]).all().item():
             return ("The model holds the last good weights (BatchNorm running statistics, updated in the forward pass, may "
                     "have taken in the non-finite batches).")
-        return ("Some weights are themselves inf or NaN, which no step of mixed precision wrote (they were loaded, or written "
-                "by hand): load a good checkpoint.")
+        return ("Some weights are themselves inf or NaN. A step writes them when its gradients are finite and its update "
+                "is not (a learning rate that overflows float32, or an optimizer state holding inf/NaN, which `learn.load` "
+                "accepts and `learn.load_checked` refuses); else they were loaded or written by hand. Lower the learning "
+                "rate, or load a good checkpoint.")
 
     def close(self) -> None:
-        "End the cast: the model runs in FP32, with no hook of ours; the scaler's flags read. Idempotent, and a Ctrl-C in the middle finishes it before it is raised"
+        "End the fit: the model runs in FP32, with no hook of ours; the scaler's flags read; nothing of the fit held. Idempotent, and a Ctrl-C in the middle finishes it before it is raised"
+        if self.phase is FitPhase.IDLE: return
+        if self.phase is not FitPhase.CLOSING: self._to(FitPhase.CLOSING) # (from here on, every call completes the close first)
         interrupted = None
         while True:
             try:
@@ -140,13 +276,42 @@ class MixedFit:
                 break
             except KeyboardInterrupt as e: interrupted = interrupted or e # cleanup that cannot half-happen: again, then raise
         if interrupted is not None: raise interrupted
+        self._report()
+
+    def _report(self) -> None:
+        "At a fit's end, one line on the steps it skipped, if any; a fit that skipped every step raises `NonFiniteGradients`"
+        start,self.fit_start = self.fit_start,None
+        if start is None or self.stopped_by is not None: return # (the storm stop said it already)
+        steps,skipped = len(self.scaler.history) - start[0],self.scaler.skipped - start[1]
+        if not skipped: return
+        if skipped < steps: return warnings.warn(_skipped_steps(skipped, steps, self.scaler.scale), SkippedStepsWarning, stacklevel=_user_stacklevel())
+        err = NonFiniteGradients(_every_step_skipped(steps, self.scaler, self.skip_loss))
+        if self.fits: self.stopped_by = err # raised by `running_fit` once every `after_fit` ran
+        else: warnings.warn(str(err), SkippedStepsWarning, stacklevel=_user_stacklevel()) # (inside fastai's own events: raising would skip other callbacks' `after_fit`)
 
     def _close_once(self) -> None:
         try:
-            if self.grads.phase is GradPhase.STEPPING:
-                try: self.update() # a step the optimizer took, whose `after_step` never came
-                except NonFiniteGradients: pass # (the fit ends here anyway)
-            if self.grads.phase is GradPhase.SCALED: self.grads.skip()
+            if self.grads is not None:
+                if self.grads.phase is GradPhase.STEPPING: # a step the optimizer took, whose `after_step` never came
+                    stopped = self.stopped_by
+                    try: self.update()
+                    except (NonFiniteGradients, CancelFitException): self.stopped_by = stopped # (the fit ends here anyway)
+                if self.grads.phase is GradPhase.SCALED: self.grads.skip()
             self.scaler.settle()
         finally:
             if self.cast is not None: self.cast.restore() # (idempotent: the masters in every slot, no hook of ours)
+        self._drop()
+        self._to(FitPhase.IDLE)
+
+# %% ../nbs/03a_mixed_fit.ipynb #5b57e76a
+@contextmanager
+def _running_fit(fit:MixedFit):
+    if not fit.fits: fit.close() # an inference left open by a bare `with learn:` is not this fit
+    fit.fits += 1
+    try: yield
+    finally:
+        fit.fits -= 1
+        if not fit.fits: fit.close()
+    if fit.stopped_by is not None: # (the fit ended without an error of its own: its storm is raised here)
+        err,fit.stopped_by = fit.stopped_by,None
+        raise err

@@ -39,6 +39,30 @@ def fsdp_api():
                           f"this is torch {torch.__version__}: upgrade torch, or train data-parallel (DDP).") from e
     return fully_shard,MixedPrecisionPolicy,FSDPModule,distribute_tensor
 
+# %% ../nbs/08_sharded.ipynb #742e4dee
+def _check_shard_arguments(
+    units, mesh, reshard_after_forward, # As `shard_model` takes them
+    model:nn.Module|None=None, # The model they are for; None: the units' membership is checked later
+) -> None:
+    "Refuse, naming it, an argument that `fully_shard` would fail on at the first fit, with the model half sharded"
+    if units is not None:
+        if isinstance(units, nn.Module) or not isinstance(units, (list, tuple, L)):
+            raise TypeError(f"units must be None or a list of the model's modules, got {type(units).__name__} {units!r}"[:300])
+        bad = [u for u in units if not isinstance(u, nn.Module)]
+        if bad: raise TypeError(f"units must be None or a list of the model's modules; these are not modules: {bad!r}"[:300])
+        if model is not None:
+            inside = {id(m) for m in model.modules()}
+            outside = [type(u).__name__ for u in units if id(u) not in inside]
+            if outside: raise ValueError(f"units must be modules of the model (`learn.model.modules()`); {len(outside)} of them are not: {outside}")
+    if mesh is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+        if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+            raise TypeError(f"mesh must be None (every rank of the default process group) or a torch `DeviceMesh` of 1 dimension "
+                            f"(or 2, to shard within groups and replicate across them), as `init_device_mesh` makes, got "
+                            f"{type(mesh).__name__} {mesh!r}"[:400])
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be True or False, got {type(reshard_after_forward).__name__} {reshard_after_forward!r}")
+
 # %% ../nbs/08_sharded.ipynb #39973555
 def _kept_units(model, keep) -> list:
     "The outermost modules that stay in FP32 and hold parameters, as the one-device cast keeps them (the root aside)"
@@ -62,6 +86,7 @@ def shard_model(
     "Apply FSDP2's `fully_shard` to `model`'s FP32 modules, its units and its root, with a forward in `dtype`"
     fully_shard,Policy,FSDPModule,_ = fsdp_api()
     if fsdp_sharded(model): raise ValueError("The model is sharded already: shard a model once.")
+    _check_shard_arguments(units, mesh, reshard_after_forward, model)
     f32 = torch.float32
     mp = Policy(param_dtype=dtype, reduce_dtype=f32) if dtype else Policy()
     kept = _kept_units(model, keep) if dtype else []
@@ -108,6 +133,9 @@ class ShardedTrainer(Callback):
         distribute_data:bool|None=None, # Give each rank its part of each batch (fastai's `DistributedDL`, CUDA only); None: on CUDA data
     ):
         fsdp_api() # the torch version, checked now rather than at the first fit
+        _check_shard_arguments(units, mesh, reshard_after_forward) # (the units' model: at `to_sharded`)
+        if not isinstance(distribute_data, (bool, type(None))):
+            raise TypeError(f"distribute_data must be True, False or None (on CUDA data), got {distribute_data!r}")
         store_attr()
         self.dtype = None # The dtype the model was sharded for, once it is
         self.skeleton = None # The unsharded model's structure, its parameters on the meta device: what `export` fills
@@ -267,11 +295,13 @@ def to_sharded(self:Learner,
     **kwargs
 ) -> Learner: # The learner itself, with a `ShardedTrainer`
     "Train sharded over the ranks with FSDP2 (from the first fit), in `to_mixed`'s dtype if the learner has it; call on every rank"
+    cb = ShardedTrainer(**kwargs) # its arguments checked first: a bad one is refused here, not at the first fit
+    _check_shard_arguments(cb.units, cb.mesh, cb.reshard_after_forward, self.model)
     if not num_distrib() and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise RuntimeError("to_sharded() needs a process group: launch with `torchrun` or `accelerate launch` and call "
                            "`torch.distributed.init_process_group` (or use `learn.sharded_ctx()`), on every rank.")
     if self._grab_cbs(ShardedTrainer): raise ValueError("The learner is already sharded (`to_sharded` was called).")
-    self.add_cb(ShardedTrainer(**kwargs))
+    self.add_cb(cb)
     for k,f in _sharded_methods.items(): setattr(self, k, MethodType(f, self)) # this learner's own: fastai's stay as they are
     return self
 

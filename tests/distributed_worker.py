@@ -59,7 +59,7 @@ def make_learner(model, rank, world, bs, ddp=True, n_train=128, n_valid=32, opt_
                     cbs=[CPUDistributedTrainer()]*ddp + list(cbs))
     learn.remove_cb(ProgressCallback)
     learn.logger = noop
-    return learn.to_mixed(**mixed)
+    return learn.to_mixed(**{'dtype': torch.float16, **mixed})
 
 # ---- what each rank records
 

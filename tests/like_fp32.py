@@ -36,7 +36,7 @@ def fit_once(make, mixed=None, epochs=2, lr=1e-2, cbs=(), seed=0, fit=None) -> R
     "`make()` a learner on `seed`, mix it with `mixed` (kwargs of `to_mixed`, or None for FP32), fit it"
     set_seed(seed, reproducible=True)
     learn = quiet(make())
-    if mixed is not None: learn.to_mixed(**mixed)
+    if mixed is not None: learn.to_mixed(**{'dtype': torch.float16, **mixed})
     before = {n:p.detach().clone() for n,p in learn.model.named_parameters()}
     log = LossLog()
     if fit is None: call_lock_free(learn.fit, epochs, lr, cbs=[log, *cbs])

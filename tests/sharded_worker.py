@@ -37,7 +37,7 @@ def learner(rank, world, bs, split=True, n_train=64, n_valid=32, opt_func=Adam, 
     learn = Learner(dls, dw.mlp(), loss_func=CrossEntropyLossFlat(), opt_func=opt_func, cbs=list(cbs))
     learn.remove_cb(ProgressCallback)
     learn.logger = noop
-    return learn.to_mixed(**mixed) if mixed else learn
+    return learn.to_mixed(**{'dtype': torch.float16, **mixed}) if mixed else learn
 
 def gathered(learn) -> list:
     "The FP32 masters, gathered (every rank calls it; rank 0 gets the tensors)"
@@ -67,7 +67,7 @@ class InfInLocalShard(Callback):
 
 def same_data(rank, world, out):
     "Every rank trains on the same batches (bs 16, Adam, 2 epochs), to_sharded before to_mixed: compared with one process"
-    learn = learner(rank, world, bs=16, split=False).to_sharded(distribute_data=False).to_mixed(**mixed)
+    learn = learner(rank, world, bs=16, split=False).to_sharded(distribute_data=False).to_mixed(**{'dtype': torch.float16, **mixed})
     hist = History()
     learn.fit(2, 1e-2, cbs=hist)
     return dict(masters=gathered(learn), history=list(learn.master_mixed_precision.scaler.history), all_reduce=hist.batches,

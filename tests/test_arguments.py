@@ -78,7 +78,8 @@ def test_model_that_cannot_work_is_refused_at_to_mixed(make, name):
 # ---- NonFiniteGradients names the true cause
 
 def test_overflowing_static_scale_is_named_as_the_cause():
-    learn = synth_learner().to_mixed(torch.float16, loss_scale=2.**24, max_consecutive_skips=3) # every float16 gradient overflows
+    learn = synth_learner().to_mixed(torch.float16, loss_scale=2.**15, max_consecutive_skips=3)
+    learn.loss_func = lambda out, y: nn.functional.cross_entropy(out, y) * 2.**10 # every float16 gradient overflows at 2**15
     hooks = hook_ids(learn.model)
     with pytest.raises(NonFiniteGradients, match='static'): learn.fit(1, 1e-2)
     assert learn.master_mixed_precision.skipped == 3

@@ -26,7 +26,7 @@ def not_16bit_exact(ts): return any(not torch.equal(t, t.half().float()) for t i
 
 @pytest.mark.parametrize('with_opt', [False, True])
 def test_save_during_and_after_fit_stores_fp32_masters(tmp_path, with_opt):
-    learn = synth_learner(path=tmp_path).to_mixed(init_scale=2.**9)
+    learn = synth_learner(path=tmp_path).to_mixed(torch.float16, init_scale=2.**9)
     at_epoch_end = []
     class Keep(Callback):
         order = SaveModelCallback.order + 1
@@ -45,18 +45,18 @@ def test_save_during_and_after_fit_stores_fp32_masters(tmp_path, with_opt):
     assert all(torch.equal(v, p.detach()) for v, p in zip([v for k, v in sd.items() if 'running' not in k and 'num' not in k], learn.model.parameters()))
 
 def test_save_load_with_opt_round_trips_masters_opt_and_scaler(tmp_path):
-    learn = synth_learner(path=tmp_path).to_mixed(init_scale=2.**9, growth_interval=3)
+    learn = synth_learner(path=tmp_path).to_mixed(torch.float16, init_scale=2.**9, growth_interval=3)
     learn.fit(1, 1e-2, cbs=InjectNonFinite(at=[2]))
     learn.save('ck', with_opt=True)
     w, opt_sd, sc = weights(learn), copy.deepcopy(learn.opt.state_dict()), learn.master_mixed_precision.scaler.state_dict()
-    other = synth_learner(path=tmp_path, seed=1).to_mixed(init_scale=2.**9, growth_interval=3)
+    other = synth_learner(path=tmp_path, seed=1).to_mixed(torch.float16, init_scale=2.**9, growth_interval=3)
     other.load('ck', with_opt=True)
     assert all(torch.equal(a, b.detach()) for a, b in zip(w, other.model.parameters()))
     assert_same_state(opt_sd['state'], other.opt.state_dict()['state'])
     assert other.master_mixed_precision.scaler.state_dict() == sc == {'scale': 2.**9, 'growth_tracker': 2, 'skipped': 1, 'consecutive_skips': 0, 'dynamic': True, 'growth_interval': 3}
 
 def test_checkpoint_loads_without_mpcallbacks(tmp_path):
-    learn = synth_learner(path=tmp_path).to_mixed(); learn.fit(1, 1e-2); learn.save('ck', with_opt=True)
+    learn = synth_learner(path=tmp_path).to_mixed(torch.float16); learn.fit(1, 1e-2); learn.save('ck', with_opt=True)
     plain = synth_learner(path=tmp_path, seed=1)
     plain.load('ck', with_opt=True) # fastai's own Learner.load path: the scaler entry is ignored
     assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(learn.model.parameters(), plain.model.parameters()))
@@ -83,7 +83,7 @@ class Interrupt(Callback):
 
 def resumable(path):
     set_seed(0)
-    return synth_learner(path=path).to_mixed(init_scale=2.**10, growth_interval=3)
+    return synth_learner(path=path).to_mixed(torch.float16, init_scale=2.**10, growth_interval=3)
 
 @pytest.mark.parametrize('how', ['save-between-fits', 'SaveModelCallback'])
 def test_resume_is_bit_identical(tmp_path, how):
@@ -113,7 +113,7 @@ def test_resume_is_bit_identical(tmp_path, how):
 
 def test_export_gives_fp32_learner_without_callback(tmp_path):
     from test_with_fastai_callbacks import digits_block_learner # export needs fastai Datasets (`new_empty`)
-    learn = digits_block_learner().to_mixed()
+    learn = digits_block_learner().to_mixed(torch.float16)
     learn.path = tmp_path
     exported_mid_fit = []
     class ExportMidFit(Callback):
@@ -153,7 +153,7 @@ def raiser(event, exc):
 @pytest.mark.parametrize('exc', [partial(RuntimeError, 'boom'), KeyboardInterrupt, CancelFitException], ids=['RuntimeError', 'KeyboardInterrupt', 'CancelFitException'])
 @pytest.mark.parametrize('event', events)
 def test_exception_at_any_event(event, exc):
-    learn = synth_learner().to_mixed()
+    learn = synth_learner().to_mixed(torch.float16)
     learn.create_opt()
     masters = opt_params(learn)
     try: learn.fit(1, 1e-2, cbs=raiser(event, exc()))
@@ -169,21 +169,21 @@ def test_exception_at_any_event(event, exc):
 # ---- the loss-scale floor and the NaN storm
 
 def test_floor_keeps_skipping_and_counting_without_stopping():
-    learn = synth_learner().to_mixed(init_scale=4., min_scale=1., max_consecutive_skips=10)
+    learn = synth_learner().to_mixed(torch.float16, init_scale=4., min_scale=1., max_consecutive_skips=10)
     learn.fit(1, 1e-2, cbs=InjectNonFinite(at=range(7))) # 7 skips in a row: 4 -> 2 -> 1 -> 1 ...
     mmp = learn.master_mixed_precision
     assert [s for s, _ in mmp.scaler.history] == [4., 2.] + [1.] * 6
     assert mmp.skipped == 7 and mmp.loss_scale == 1.
 
 def test_default_limits_never_trigger_during_normal_backoff():
-    learn = synth_learner().to_mixed() # 2**16 -> 1 takes 16 back-offs; the default allows them plus 25 in a row
+    learn = synth_learner().to_mixed(torch.float16) # 2**16 -> 1 takes 16 back-offs; the default allows them plus 25 in a row
     assert learn.master_mixed_precision.scaler.max_consecutive_skips == 41
     learn.fit(3, 1e-2, cbs=InjectNonFinite(at=range(16)))
     assert learn.master_mixed_precision.skipped == 16 and learn.master_mixed_precision.loss_scale == 1.
     assert learn.master_mixed_precision.scaler.max_consecutive_skips == 25 # the limit follows the scale: at 1, no back-off is left
 
 def test_nan_storm_stops_fit_with_cause_after_every_after_fit(tmp_path):
-    learn = synth_learner(path=tmp_path).to_mixed(max_consecutive_skips=20)
+    learn = synth_learner(path=tmp_path).to_mixed(torch.float16, max_consecutive_skips=20)
     learn.fit(1, 1e-2)
     good = weights(learn)
     after_fit_ran = []
@@ -202,7 +202,7 @@ def test_nan_inputs_or_targets_are_counted_skips():
     x[20, 0] = float('nan'); y[45, 0] = float('nan') # batch 1 has a NaN input, batch 2 a NaN target
     ds = list(zip(x, y))
     dls = DataLoaders.from_dsets(ds, ds[:16], bs=16, shuffle=False, num_workers=0, device='cpu')
-    learn = Learner(dls, nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)), loss_func=MSELossFlat()).to_mixed()
+    learn = Learner(dls, nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)), loss_func=MSELossFlat()).to_mixed(torch.float16)
     learn.remove_cb(ProgressCallback)
     learn.fit(1, 1e-2)
     mmp = learn.master_mixed_precision
@@ -215,9 +215,9 @@ def test_nan_inputs_or_targets_are_counted_skips():
 def test_bad_models_fail_at_to_mixed():
     dls = synth_dls()
     with pytest.raises(ValueError, match='no floating-point parameters'):
-        Learner(dls, nn.Sequential(nn.Flatten()), loss_func=CrossEntropyLossFlat()).to_mixed()
+        Learner(dls, nn.Sequential(nn.Flatten()), loss_func=CrossEntropyLossFlat()).to_mixed(torch.float16)
     with pytest.raises(ValueError, match=r'already has 16-bit parameters.*learn.model.float\(\)'):
-        Learner(dls, synth_model().half(), loss_func=CrossEntropyLossFlat()).to_mixed()
+        Learner(dls, synth_model().half(), loss_func=CrossEntropyLossFlat()).to_mixed(torch.float16)
 
 def test_integer_and_boolean_buffers_are_left_alone():
     class WithBuffers(nn.Module):
@@ -225,7 +225,7 @@ def test_integer_and_boolean_buffers_are_left_alone():
             super().__init__(); self.m = synth_model()
             self.register_buffer('mask', torch.ones(2, dtype=torch.bool)); self.register_buffer('count', torch.zeros((), dtype=torch.long))
         def forward(self, x): self.count += 1; return self.m(x) * self.mask
-    learn = Learner(synth_dls(), WithBuffers(), loss_func=CrossEntropyLossFlat()).to_mixed()
+    learn = Learner(synth_dls(), WithBuffers(), loss_func=CrossEntropyLossFlat()).to_mixed(torch.float16)
     learn.remove_cb(ProgressCallback)
     seen = set()
     learn.fit(1, 1e-2, cbs=Callback(after_pred=lambda cb: seen.add((cb.model.mask.dtype, cb.model.count.dtype))))
@@ -234,7 +234,7 @@ def test_integer_and_boolean_buffers_are_left_alone():
 # ---- observability
 
 def test_plot_loss_scale_marks_skips():
-    learn = synth_learner().to_mixed(init_scale=2.**10, growth_interval=2)
+    learn = synth_learner().to_mixed(torch.float16, init_scale=2.**10, growth_interval=2)
     learn.fit(1, 1e-2, cbs=InjectNonFinite(at=[1, 5]))
     ax = learn.master_mixed_precision.plot_loss_scale()
     assert ax.collections[0].get_offsets().tolist() == [[1, 2.**10], [5, 2.**10]]

@@ -75,3 +75,77 @@ def test_a_learner_dropped_after_a_failed_inference_call_frees_its_model():
     del learn; gc.collect()
     assert model() is None
     assert not cast._by_module
+
+class PhaseLog(Callback):
+    "The phase of the learner's `MixedFit` at each event, and what a `get_preds` from inside the fit sees"
+    order = MasterMixedPrecision.order + 1
+    def __init__(self): self.seen = {}
+    def _log(self, event): self.seen.setdefault(event, set()).add(self.learn.master_mixed_precision.mixed_fit.phase)
+    def before_fit(self): self._log('before_fit')
+    def before_batch(self): self._log('before_batch')
+    def after_fit(self): self._log('after_fit')
+
+def test_the_phase_of_each_entry_point():
+    "IDLE between calls; FITTING through a fit (a `get_preds` inside it opens nothing); INFERRING through inference"
+    from mpcallbacks.mixed_fit import FitPhase
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    mf = learn.master_mixed_precision.mixed_fit
+    assert mf.phase is FitPhase.IDLE
+    log = PhaseLog()
+    learn.fit(1, 1e-2, cbs=log)
+    assert log.seen == {'before_fit':{FitPhase.FITTING}, 'before_batch':{FitPhase.FITTING},
+                        'after_fit':{FitPhase.IDLE}} # (ours, order 10, ended the fit before this `after_fit`)
+    assert mf.phase is FitPhase.IDLE and mf.cast is None and mf.learn is None # nothing of the fit held
+    log = PhaseLog()
+    learn.get_preds(cbs=log)
+    assert log.seen['before_batch'] == {FitPhase.INFERRING} and mf.phase is FitPhase.IDLE
+    with learn: assert mf.phase is FitPhase.INFERRING
+    assert mf.phase is FitPhase.IDLE
+    assert_at_rest(learn)
+
+def test_a_close_cut_short_is_completed_by_the_next_call(monkeypatch):
+    "An error in the close (not a Ctrl-C) leaves it CLOSING: the next call of any kind completes it before anything else"
+    # (the close at `after_fit` fails, and so does the one `Learner.fit` makes on its way out; the next call completes it)
+    from mpcallbacks.mixed_fit import FitPhase
+    from mpcallbacks.scaler import LossScaler
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    from mpcallbacks.mixed_fit import MixedFit
+    settle, close_once, calls, closing = LossScaler.settle, MixedFit._close_once, [], [False]
+    def settle_once(self): # (only the settle of a close fails: a step's reads go through)
+        if closing[0]:
+            calls.append(1)
+            if len(calls) <= 2: raise RuntimeError('boom')
+        return settle(self)
+    def close_marked(self):
+        closing[0] = True
+        try: return close_once(self)
+        finally: closing[0] = False
+    monkeypatch.setattr(LossScaler, 'settle', settle_once)
+    monkeypatch.setattr(MixedFit, '_close_once', close_marked)
+    with pytest.raises(RuntimeError, match='boom'): learn.fit(1, 1e-2)
+    mf = learn.master_mixed_precision.mixed_fit
+    assert mf.phase is FitPhase.CLOSING
+    assert not [m for m in learn.model.modules() if id(m) in cast._by_module] # (the cast went back in a `finally`)
+    learn.get_preds() # completes the close first, then runs
+    assert mf.phase is FitPhase.IDLE and len(calls) >= 3
+    assert_fp32_and_intact(learn)
+
+def test_phases_move_only_along_their_transitions():
+    from mpcallbacks.mixed_fit import FitPhase, MixedFit
+    assert FitPhase.IDLE.next == {FitPhase.FITTING, FitPhase.INFERRING}
+    assert all(FitPhase.CLOSING in p.next for p in (FitPhase.FITTING, FitPhase.INFERRING))
+    mf = MixedFit()
+    with pytest.raises(RuntimeError, match='cannot go from IDLE to CLOSING'): mf._to(FitPhase.CLOSING)
+    mf.close() # closing an idle fit is nothing
+    assert mf.phase is FitPhase.IDLE
+
+def test_a_ctrl_c_while_the_cast_registers_leaves_no_global_hook(monkeypatch):
+    "A Ctrl-C after torch's global hooks are registered and before the cast's modules are: neither stays"
+    class Interrupted(dict):
+        def update(self, *args, **kwargs): raise KeyboardInterrupt
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    monkeypatch.setattr(cast, '_by_module', Interrupted())
+    with pytest.raises(KeyboardInterrupt): learn.fit(1, 1e-2)
+    monkeypatch.undo()
+    assert_at_rest(learn) # (torch's global hook registries included)
+    assert_fp32_and_intact(learn)

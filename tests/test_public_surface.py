@@ -103,4 +103,4 @@ def test_importing_the_callback_changes_nothing_of_fastai():
     out = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     # added methods, and the one replaced fastai method: `fit`
-    assert out.stdout.strip() == str(['export_atomic', 'fit', 'load_checked', 'mixed_summary', 'precision_report', 'save_atomic', 'to_mixed', 'to_unmixed'])
+    assert out.stdout.strip() == str(['export_atomic', 'fit', 'load_checked', 'mixed_summary', 'plot_loss_scale', 'precision_report', 'save_atomic', 'to_mixed', 'to_unmixed'])

@@ -1,6 +1,6 @@
 "The loss-scale history stays small over a learner's life, and `plot_loss_scale` still draws the trajectory."
 import pickle
-import pytest
+import pytest, torch
 from mpcallbacks.all import LossScaler
 from mpcallbacks.test_utils import synth_learner, InjectNonFinite
 
@@ -18,7 +18,7 @@ def step_values(ax):
     return lambda i: ys[max(j for j, x in enumerate(xs) if x <= i)]
 
 def test_plot_draws_the_trajectory():
-    learn = synth_learner().to_mixed(init_scale=2.**10, growth_interval=2)
+    learn = synth_learner().to_mixed(torch.float16, init_scale=2.**10, growth_interval=2)
     learn.fit(1, 1e-2, cbs=InjectNonFinite(at=[1, 5])) # 8 steps: 2^10, skip -> 2^9, 2^9, 2^9 -> 2^10, 2^10, skip -> 2^9 ...
     expected = [2.**10, 2.**10, 2.**9, 2.**9, 2.**10, 2.**10, 2.**9, 2.**9] # the scale each step used
     ax = learn.master_mixed_precision.plot_loss_scale()
@@ -28,7 +28,7 @@ def test_plot_draws_the_trajectory():
     assert sorted(marks) == [(1, 2.**10), (5, 2.**10)] # the skipped steps, at the scale they used
 
 def test_plot_after_100k_steps_ends_at_the_current_scale():
-    learn = synth_learner().to_mixed(init_scale=2.**10, growth_interval=2)
+    learn = synth_learner().to_mixed(torch.float16, init_scale=2.**10, growth_interval=2)
     learn.fit(1, 1e-2, cbs=InjectNonFinite(at=[1]))
     scaler = learn.master_mixed_precision.scaler
     for i in range(100_000): scaler.update(i % 50_000 == 0) # two more skips, far apart

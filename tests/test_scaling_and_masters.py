@@ -26,7 +26,7 @@ def gradscaler_trajectory(skips, init, growth, backoff, interval):
 
 @pytest.mark.parametrize('init,growth,backoff,interval', [(2.**10, 2., .5, 3), (1000., 1.5, .25, 2)])
 def test_scaler_trajectory_equals_gradscaler(init, growth, backoff, interval):
-    learn = synth_learner().to_mixed(init_scale=init, growth_factor=growth, backoff_factor=backoff, growth_interval=interval, min_scale=1e-30)
+    learn = synth_learner().to_mixed(torch.float16, init_scale=init, growth_factor=growth, backoff_factor=backoff, growth_interval=interval, min_scale=2.**-20) # (a floor out of reach: GradScaler has none)
     inject = InjectNonFinite(at=[1, 2, 9, 15], value=float('nan'))
     learn.fit(2, 1e-2, cbs=inject)
     hist = learn.master_mixed_precision.scaler.history
@@ -40,7 +40,7 @@ def test_scaler_trajectory_equals_gradscaler(init, growth, backoff, interval):
     assert learn.master_mixed_precision.skipped == 4
 
 def test_scale_grows_after_growth_interval():
-    learn = synth_learner().to_mixed(init_scale=4., growth_interval=3)
+    learn = synth_learner().to_mixed(torch.float16, init_scale=4., growth_interval=3)
     learn.fit(1, 1e-3) # 8 good steps
     assert learn.master_mixed_precision.loss_scale == 4. * 2**(8 // 3)
     assert learn.master_mixed_precision.scaler.growth_tracker == 8 % 3
@@ -88,7 +88,7 @@ def test_master_accumulation_moves_weights_pure_float16_cannot():
 # ---- overflow: exactly that step is skipped
 
 def test_inf_skips_exactly_that_step_and_training_goes_on():
-    learn = synth_learner().to_mixed(init_scale=2.**12)
+    learn = synth_learner().to_mixed(torch.float16, init_scale=2.**12)
     before = {}
     class Snap(Callback):
         order = MasterMixedPrecision.order + 1
@@ -113,7 +113,7 @@ def test_inf_skips_exactly_that_step_and_training_goes_on():
 
 def test_check_and_skip_run_in_every_mode():
     for kw in (dict(dtype=torch.bfloat16), dict(dtype=torch.float16, loss_scale=None), dict(dtype=torch.float16, loss_scale=64.)):
-        learn = synth_learner().to_mixed(**kw)
+        learn = synth_learner().to_mixed(**{'dtype': torch.float16, **kw})
         scale = learn.master_mixed_precision.loss_scale
         learn.fit(1, 1e-2, cbs=InjectNonFinite(at=[2], value=float('nan')))
         assert learn.master_mixed_precision.skipped == 1, kw
@@ -122,7 +122,7 @@ def test_check_and_skip_run_in_every_mode():
 
 def test_recorder_logs_unscaled_loss():
     fp32 = synth_learner(); fp32.fit(1, 1e-2)
-    mixed = synth_learner().to_mixed(); mixed.fit(1, 1e-2)
+    mixed = synth_learner().to_mixed(torch.float16); mixed.fit(1, 1e-2)
     assert mixed.master_mixed_precision.loss_scale == 2.**16
     assert abs(mixed.recorder.values[-1][0] - fp32.recorder.values[-1][0]) < 0.05
     assert max(float(l) for l in mixed.recorder.losses) < 5
@@ -195,7 +195,7 @@ def test_dtypes_during_fit(dtype, opt_func):
     assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
 
 def test_param_groups_keep_number_sizes_order_during_fit():
-    learn = synth_learner(splitter=lambda m: [list(m[:2].parameters()), list(m[2:].parameters())]).to_mixed()
+    learn = synth_learner(splitter=lambda m: [list(m[:2].parameters()), list(m[2:].parameters())]).to_mixed(torch.float16)
     learn.create_opt()
     sizes = [[p.shape for p in pg] for pg in learn.opt.param_lists]
     seen = {}
@@ -208,7 +208,7 @@ def test_param_groups_keep_number_sizes_order_during_fit():
 # ---- the state after fit, also after an exception
 
 def test_second_fit_continues_with_scaler_state():
-    learn = synth_learner().to_mixed(init_scale=2.**8, growth_interval=5)
+    learn = synth_learner().to_mixed(torch.float16, init_scale=2.**8, growth_interval=5)
     learn.fit(1, 1e-2, cbs=InjectNonFinite(at=[0]))
     state = learn.master_mixed_precision.scaler.state_dict()
     assert state == {'scale': 2.**7 * 2, 'growth_tracker': 2, 'skipped': 1, 'consecutive_skips': 0, 'dynamic': True, 'growth_interval': 5} # 1 skip, 7 good steps
@@ -240,11 +240,11 @@ def test_second_fit_continues_with_scaler_state():
 ])
 def test_bad_arguments_fail_at_to_mixed(kwargs, err, msg):
     learn = synth_learner()
-    with pytest.raises(err, match=re.escape(msg)): learn.to_mixed(**kwargs)
+    with pytest.raises(err, match=re.escape(msg)): learn.to_mixed(**{'dtype': torch.float16, **kwargs})
     assert not any(isinstance(c, MasterMixedPrecision) for c in learn.cbs)
 
 def test_to_mixed_twice_leaves_one_callback_with_later_settings():
-    learn = synth_learner().to_mixed(init_scale=8.).to_mixed(torch.bfloat16, loss_scale=32.)
+    learn = synth_learner().to_mixed(torch.float16, init_scale=8.).to_mixed(torch.bfloat16, loss_scale=32.)
     cbs = [c for c in learn.cbs if isinstance(c, MasterMixedPrecision)]
     assert len(cbs) == 1 and cbs[0] is learn.master_mixed_precision
     assert cbs[0].dtype == torch.bfloat16 and cbs[0].loss_scale == 32. and not cbs[0].scaler.dynamic
@@ -254,8 +254,8 @@ def test_to_mixed_twice_leaves_one_callback_with_later_settings():
 
 def test_loss_scale_defaults_by_dtype():
     learn = synth_learner()
-    assert learn.to_mixed().master_mixed_precision.loss_scale == 2.**16
-    assert learn.to_mixed().master_mixed_precision.scaler.dynamic
+    assert learn.to_mixed(torch.float16).master_mixed_precision.loss_scale == 2.**16
+    assert learn.to_mixed(torch.float16).master_mixed_precision.scaler.dynamic
     assert learn.to_mixed(torch.bfloat16).master_mixed_precision.loss_scale == 1.
     assert not learn.master_mixed_precision.scaler.dynamic
     assert learn.to_mixed(torch.bfloat16, loss_scale='dynamic').master_mixed_precision.scaler.dynamic

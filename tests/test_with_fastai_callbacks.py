@@ -35,7 +35,7 @@ class Watch(Callback):
                                 lrs=[h['lr'] for h in self.opt.hypers]))
 
 def test_fine_tune_frozen_params_are_not_stepped_and_stay_bit_identical():
-    learn = two_group_learner().to_mixed()
+    learn = two_group_learner().to_mixed(torch.float16)
     body0 = [p.detach().clone() for p in learn.model[0].parameters()]
     watch = Watch()
     class CheckFrozen(Callback):
@@ -50,7 +50,7 @@ def test_fine_tune_frozen_params_are_not_stepped_and_stay_bit_identical():
     assert not torch.equal(body0[0], learn.model[0].weight.detach()) # after unfreeze the body trained
 
 def test_discriminative_lrs_keep_each_groups_hypers():
-    learn = two_group_learner().to_mixed()
+    learn = two_group_learner().to_mixed(torch.float16)
     learn.unfreeze()
     watch = Watch()
     learn.fit(1, slice(1e-4, 1e-2), cbs=watch)
@@ -59,7 +59,7 @@ def test_discriminative_lrs_keep_each_groups_hypers():
 # ---- lr_find leaves everything as it was
 
 def test_lr_find_restores_weights_opt_state_and_scaler():
-    learn = synth_learner().to_mixed(init_scale=2.**8, growth_interval=3)
+    learn = synth_learner().to_mixed(torch.float16, init_scale=2.**8, growth_interval=3)
     learn.fit(1, 1e-2, cbs=InjectNonFinite(at=[1]))
     w, opt_sd, sc = fp32_of(learn), copy.deepcopy(learn.opt.state_dict()), learn.master_mixed_precision.scaler.state_dict()
     with learn.no_logging(): learn.lr_find(num_it=20, show_plot=False)
@@ -172,7 +172,7 @@ def test_warns_once_for_float16_on_cpu(monkeypatch):
 @pytest.mark.parametrize('opt_func', [Adam, partial(SGD, mom=0.9), RAdam, Lamb, ranger, partial(OptimWrapper, opt=torch.optim.AdamW)],
                          ids=['Adam', 'SGD-mom', 'RAdam', 'Lamb', 'ranger', 'OptimWrapper-AdamW'])
 def test_optimizers_skip_leaves_state_untouched(opt_func):
-    learn = synth_learner(opt_func=opt_func).to_mixed()
+    learn = synth_learner(opt_func=opt_func).to_mixed(torch.float16)
     snaps = {}
     class Snap(Callback):
         order = MasterMixedPrecision.order + 1
@@ -199,7 +199,7 @@ def test_mixup_cutmix(mix):
     assert {p.dtype for p in mixed.model.parameters()} == {torch.float32}
 
 def test_save_model_early_stopping_progress_showgraph_reduce_lr_csv_logger(tmp_path):
-    learn = synth_learner(path=tmp_path).to_mixed()
+    learn = synth_learner(path=tmp_path).to_mixed(torch.float16)
     learn.add_cbs([ProgressCallback(), ShowGraphCallback()])
     reduce = ReduceLROnPlateau(patience=0, factor=10., min_delta=10.) # every epoch "plateaus": the lr drops each time
     learn.fit(3, 1e-2, cbs=[SaveModelCallback(fname='best'), EarlyStoppingCallback(patience=1), reduce, CSVLogger(fname='log.csv')])
@@ -222,7 +222,7 @@ def test_multi_input_multi_output_and_predictions_are_fp32():
     dls = DataLoaders.from_dsets(ds[:64], ds[64:], bs=16, num_workers=0, device='cpu')
     dls.n_inp = 2
     loss = lambda preds, y: sum(nn.functional.cross_entropy(p, y) for p in preds)
-    learn = Learner(dls, TwoInTwoOut(), loss_func=loss).to_mixed()
+    learn = Learner(dls, TwoInTwoOut(), loss_func=loss).to_mixed(torch.float16)
     learn.remove_cb(ProgressCallback)
     seen = set()
     class P(Callback):
@@ -249,7 +249,7 @@ def digits_block_learner():
     return learn
 
 def test_get_preds_predict_tta_are_float32():
-    learn = digits_block_learner().to_mixed()
+    learn = digits_block_learner().to_mixed(torch.float16)
     learn.fit(1, 1e-2)
     preds, targs = learn.get_preds()
     assert preds.dtype == torch.float32 and preds.shape == (100, 10)
@@ -277,7 +277,7 @@ class BNZoo(nn.Module):
 
 @pytest.mark.parametrize('keep', [(), (nn.LayerNorm, 'out')])
 def test_batchnorm_variants_and_keep_fp32(keep):
-    learn = Learner(synth_dls(), BNZoo(), loss_func=CrossEntropyLossFlat()).to_mixed(keep_fp32=keep)
+    learn = Learner(synth_dls(), BNZoo(), loss_func=CrossEntropyLossFlat()).to_mixed(torch.float16, keep_fp32=keep)
     learn.remove_cb(ProgressCallback)
     probe = ForwardDtypes() # what the forward ran with
     learn.fit(1, 1e-2, cbs=probe)
@@ -291,7 +291,7 @@ def test_batchnorm_variants_and_keep_fp32(keep):
     assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
 
 def test_frozen_batchnorm_in_eval_keeps_fp32_stats_bit_identical():
-    learn = two_group_learner(train_bn=False).to_mixed()
+    learn = two_group_learner(train_bn=False).to_mixed(torch.float16)
     learn.freeze() # body frozen, BatchNorm included (train_bn=False)
     stats = [b.clone() for b in learn.model[1].buffers()]
     dts = set()

@@ -1,0 +1,107 @@
+"`learn.load_checked` is all or nothing for the whole file: weights, optimizer state and loss scaler are checked (names, shapes, kinds, inf/NaN) before anything is written to the learner, and a refusal names what did not fit; a truncated file says so."
+import copy, math, warnings
+from functools import partial
+import pytest, torch
+from torch import nn
+from fastai.basics import Learner, CrossEntropyLossFlat, OptimWrapper
+from mpcallbacks.test_utils import synth_learner, synth_dls, synth_model
+from test_checkpoints import state_of, assert_same_learner_state
+from intact import call_lock_free
+
+def trained(path, **kwargs):
+    learn = synth_learner(path=path, **kwargs).to_mixed(torch.bfloat16)
+    learn.fit(1, 1e-2)
+    return learn
+
+def other_head_learner(path, n_out=3):
+    "The same backbone as `synth_model`, with a head of `n_out` classes"
+    model = synth_model(1)
+    model[-1] = nn.Linear(model[-1].in_features, n_out)
+    return Learner(synth_dls(), model, loss_func=CrossEntropyLossFlat(), path=path).to_mixed(torch.bfloat16)
+
+def refuses(learn, match, *args, **kwargs):
+    "`load_checked` raises a ValueError matching `match`, with no warning of fastai's, and the learner is exactly as it was"
+    learn.create_opt() if learn.opt is None else None
+    before = state_of(learn)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        with pytest.raises(ValueError, match=match) as e: call_lock_free(learn.load_checked, *args, **kwargs)
+    assert not [x for x in w if 'optimizer state' in str(x.message)], [str(x.message) for x in w]
+    assert 'nothing was loaded' in str(e.value)
+    assert_same_learner_state(before, state_of(learn))
+    return str(e.value)
+
+def test_a_checkpoint_of_another_head_loads_nothing_and_names_the_head(tmp_path):
+    trained(tmp_path).save('ck', with_opt=False)
+    learn = other_head_learner(tmp_path)
+    msg = refuses(learn, r"'4\.weight' is \(2, 512\) in the file, \(3, 512\) in the model", 'ck', with_opt=False)
+    assert "'4.bias' is (2,) in the file, (3,) in the model" in msg
+
+def test_missing_and_unexpected_weights_are_named_and_nothing_is_loaded(tmp_path):
+    trained(tmp_path).save('ck', with_opt=False)
+    model = synth_model(1); model.append(nn.Linear(2, 2)) # a layer the checkpoint lacks
+    learn = Learner(synth_dls(), model, loss_func=CrossEntropyLossFlat(), path=tmp_path).to_mixed(torch.bfloat16)
+    refuses(learn, r"the file lacks: '5\.weight', '5\.bias'", 'ck', with_opt=False)
+    sd = torch.load(tmp_path/'models'/'ck.pth'); sd['extra.weight'] = torch.zeros(1); torch.save(sd, tmp_path/'models'/'ck.pth')
+    refuses(synth_learner(path=tmp_path, seed=1).to_mixed(torch.bfloat16), r"does not have: 'extra\.weight'", 'ck', with_opt=False)
+
+def test_strict_false_loads_the_weights_that_are_there(tmp_path):
+    learn = trained(tmp_path); learn.save('ck', with_opt=False)
+    sd = torch.load(tmp_path/'models'/'ck.pth'); del sd['4.bias']; torch.save(sd, tmp_path/'models'/'ck.pth')
+    other = synth_learner(path=tmp_path, seed=1).to_mixed(torch.bfloat16)
+    call_lock_free(other.load_checked, 'ck', with_opt=False, strict=False)
+    assert torch.equal(other.model[-1].weight, learn.model[-1].weight) and not torch.equal(other.model[-1].bias, learn.model[-1].bias)
+
+def tamper(path, f):
+    sd = torch.load(path, weights_only=False); f(sd); torch.save(sd, path)
+
+def set_state(sd, i, k, v): sd['opt']['state'][i][k] = v
+
+@pytest.mark.parametrize('weight', ['0.weight', '1.running_var'])
+def test_nan_in_a_weight_or_buffer_is_refused_by_name(tmp_path, weight):
+    trained(tmp_path).save('ck', with_opt=True)
+    tamper(tmp_path/'models'/'ck.pth', lambda sd: sd['model'][weight].view(-1).__setitem__(0, math.nan))
+    refuses(trained(tmp_path, seed=1), rf"inf or NaN values: '{re_(weight)}'", 'ck', with_opt=True)
+
+def re_(s): return s.replace('.', r'\.')
+
+def test_nan_in_adams_state_is_refused_naming_the_parameter(tmp_path):
+    trained(tmp_path).save('ck', with_opt=True)
+    tamper(tmp_path/'models'/'ck.pth', lambda sd: sd['opt']['state'][0]['sqr_avg'].view(-1).__setitem__(0, math.inf))
+    refuses(trained(tmp_path, seed=1), r"optimizer state with inf or NaN values: 0\.weight's sqr_avg", 'ck', with_opt=True)
+
+def test_an_optimizer_state_for_other_parameters_loads_nothing(tmp_path):
+    "fastai would load the weights, then warn and keep the old optimizer state"
+    trained(tmp_path).save('ck', with_opt=True)
+    tamper(tmp_path/'models'/'ck.pth', lambda sd: sd['opt'].__setitem__('state', sd['opt']['state'][:-1]))
+    refuses(trained(tmp_path, seed=1), 'the optimizer state is for 5 parameters, the learner', 'ck', with_opt=True)
+
+def test_an_optimizer_state_of_another_shape_loads_nothing(tmp_path):
+    "fastai checks only the number of states: one of another shape would load and fail at the next step"
+    trained(tmp_path).save('ck', with_opt=True)
+    tamper(tmp_path/'models'/'ck.pth', lambda sd: set_state(sd, 5, 'grad_avg', torch.zeros(3)))
+    refuses(trained(tmp_path, seed=1), r"4\.bias's grad_avg is \(3,\), the parameter \(2,\)", 'ck', with_opt=True)
+
+def test_a_torch_optimizers_state_is_checked_too(tmp_path):
+    opt_func = partial(OptimWrapper, opt=torch.optim.AdamW)
+    learn = trained(tmp_path, opt_func=opt_func); learn.save('ck', with_opt=True)
+    tamper(tmp_path/'models'/'ck.pth', lambda sd: sd['opt']['state'][5].__setitem__('exp_avg', torch.full((2,), math.nan)))
+    refuses(trained(tmp_path, seed=1, opt_func=opt_func), r"4\.bias's exp_avg", 'ck', with_opt=True)
+    learn.save('ck', with_opt=True)
+    tamper(tmp_path/'models'/'ck.pth', lambda sd: sd['opt']['state'][5].__setitem__('exp_avg', torch.zeros(5, 5)))
+    refuses(trained(tmp_path, seed=1, opt_func=opt_func), r"4\.bias's exp_avg is \(5, 5\), the parameter \(2,\)", 'ck', with_opt=True)
+
+def test_a_good_checkpoint_still_loads_whole(tmp_path):
+    learn = trained(tmp_path); learn.save('ck', with_opt=True)
+    other = trained(tmp_path, seed=1)
+    call_lock_free(other.load_checked, 'ck', with_opt=True)
+    assert_same_learner_state(state_of(learn), state_of(other))
+
+@pytest.mark.parametrize('keep', [0, 10, 0.5, -10])
+def test_a_truncated_file_says_it_is_truncated(tmp_path, keep):
+    learn = trained(tmp_path); path = learn.save('ck', with_opt=True)
+    data = path.read_bytes()
+    path.write_bytes(data[:keep if isinstance(keep, int) and keep >= 0 else int(len(data)*keep) if keep > 0 else len(data)+keep])
+    before = state_of(learn)
+    with pytest.raises(EOFError, match='is truncated'): call_lock_free(learn.load_checked, 'ck', with_opt=True)
+    assert_same_learner_state(before, state_of(learn))
