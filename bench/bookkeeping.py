@@ -40,12 +40,12 @@ def bookkeeping_fns(model:nn.Module, dtype=torch.float16, device='cpu', loss_sca
         masters.skip() # (frees the gradients, as the step does)
         return res
     # The copy-back's place is taken by the cast the next forward makes: every master cast to 16 bits once per step
-    # (`ModelCast._cast_of` for each, and the swap into the model's slots, both ways).
+    # (`ModelCast._cast_all`, one autograd node for the small masters and one per large one, and the swap into the model's slots, both ways).
     cast = cast_model(copy.deepcopy(model), dtype)
     cast.begin()
     def ours_copy_back():
         cast.drop_casts()
-        cast._put([cast._cast_of(p) for p in cast.masters])
+        cast._put(cast._cast_all())
         cast._put(cast.masters)
 
     # fastai: what `NonNativeMixedPrecision.before_step` and `after_step` run (dynamic scaling, no clipping).
