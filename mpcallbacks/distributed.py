@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
-__all__ = ['world_size', 'ddp_wrapped', 'fsdp_sharded', 'RankAgreement']
+__all__ = ['world_size', 'ddp_wrapped', 'fsdp_sharded', 'local_tensor', 'RankAgreement']
 
 # %% ../nbs/06_data_parallel.ipynb #b2f260ca
 def world_size() -> int:
@@ -29,6 +29,11 @@ def fsdp_sharded(model) -> bool:
     try: from torch.distributed.fsdp import FSDPModule # (public from torch 2.6)
     except ImportError: return False
     return any(isinstance(m, FSDPModule) for m in model.modules())
+
+# %% ../nbs/06_data_parallel.ipynb #7062b1f2
+def local_tensor(t:torch.Tensor) -> torch.Tensor: # A plain tensor sharing `t`'s storage
+    "This rank's part of `t`: the local shard of a sharded `DTensor` (FSDP2's parameters and gradients), else `t` itself"
+    return t.to_local() if hasattr(t, 'to_local') and hasattr(t, 'placements') else t
 
 # %% ../nbs/06_data_parallel.ipynb #23e61c9a
 class RankAgreement:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from fastai.optimizer import (Optimizer, OptimWrapper, weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat,
                               adam_step, sgd_step, momentum_step)
-from .master import local_tensor
+from .distributed import local_tensor
 
 # %% auto #0
 __all__ = ['fused_kind', 'skips_on_flag', 'step_fused']

@@ -10,9 +10,10 @@ from enum import Enum
 from typing import Callable
 import torch
 from torch import Tensor
+from .distributed import local_tensor # (a sharded DTensor's local shard: where sharding's tensors are known)
 
 # %% auto #0
-__all__ = ['GradPhase', 'GradPhaseError', 'local_tensor', 'MasterParams']
+__all__ = ['GradPhase', 'GradPhaseError', 'MasterParams']
 
 # %% ../nbs/02_master.ipynb #38b651bc
 class GradPhase(Enum):
@@ -25,11 +26,6 @@ class GradPhase(Enum):
 # %% ../nbs/02_master.ipynb #050bd339
 class GradPhaseError(RuntimeError):
     "A step of the gradient lifecycle called out of turn"
-
-# %% ../nbs/02_master.ipynb #49cb302e
-def local_tensor(t:Tensor) -> Tensor: # A plain tensor sharing `t`'s storage
-    "This rank's part of `t`: the local shard of a sharded `DTensor` (FSDP2's parameters and gradients), else `t` itself"
-    return t.to_local() if hasattr(t, 'to_local') and hasattr(t, 'placements') else t
 
 # %% ../nbs/02_master.ipynb #d92e4894
 class MasterParams:

@@ -15,8 +15,8 @@ from torch import Tensor
 from fastai.basics import Learner
 from fastai.callback.core import CancelStepException, CancelFitException
 from .cast import cast_model, warn_if_slow, _user_stacklevel
-from .master import MasterParams, GradPhase, local_tensor
-from .distributed import RankAgreement, fsdp_sharded
+from .master import MasterParams, GradPhase
+from .distributed import RankAgreement, fsdp_sharded, local_tensor
 from .scaler import LossScaler, NonFiniteGradients
 
 # %% auto #0

@@ -149,3 +149,22 @@ def test_a_ctrl_c_while_the_cast_registers_leaves_no_global_hook(monkeypatch):
     monkeypatch.undo()
     assert_at_rest(learn) # (torch's global hook registries included)
     assert_fp32_and_intact(learn)
+
+class CastsAfterTheStep(Callback):
+    "Weak references to the forward's 16-bit casts at `after_backward`, and whether any is alive once the batch is over"
+    order = MasterMixedPrecision.order + 1
+    def __init__(self): self.alive = []
+    def after_backward(self):
+        import weakref
+        self.refs = [weakref.ref(c) for c in self.learn.master_mixed_precision.fit_state.cast._casts[2]]
+    def after_batch(self):
+        import gc
+        gc.collect()
+        if self.training: self.alive.append(sum(r() is not None for r in self.refs))
+
+def test_no_16bit_cast_outlives_its_step():
+    "Between steps the model holds 12 bytes per parameter: fastai keeps `learn.pred` and `learn.loss_grad` (and their graph) until the next batch, and nothing on that graph keeps a cast alive"
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    spy = CastsAfterTheStep()
+    learn.fit(1, 1e-2, cbs=spy)
+    assert spy.alive and set(spy.alive) == {0}, spy.alive
