@@ -74,14 +74,7 @@ def gain_in_the_model():
     learn.model = GainInTheModel()
     return learn
 
-def fit_said(make, mixed, **kw):
-    "`fit_once`, and what 'auto' said"
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter('always')
-        run = fit_once(make, mixed, **kw)
-    return run,[str(x.message) for x in w if "keep_fp32='auto'" in str(x.message)]
-
-def rel(a, b) -> float: return abs(a - b) / abs(b)
+from test_precision_doctor import fit_auto as fit_said, rel # (`fit_once`, and what 'auto' said)
 
 def test_a_parameterless_gain_that_overflows_is_kept_with_what_receives_it():
     rep = gain_between_linears().precision_report(torch.float16).set_index('module')
