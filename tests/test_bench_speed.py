@@ -22,3 +22,10 @@ def test_speed_section_runs_on_the_overhead_bound_model():
     text = speed_section(r)
     assert '| 100x Linear(32, 32)' in text and 'to_mixed / autocast' in text and 'fastai Adam / fused AdamW' in text
     assert torch.get_num_threads() == 1 # the thread count the tests set is restored
+
+def test_bookkeeping_section_runs():
+    "Section 1 calls into the cast's machinery: it fails here, not at the next `make bench`, when that changes"
+    from bench.bookkeeping import run_bookkeeping, bookkeeping_section
+    rows = run_bookkeeping(torch.device('cpu'), warmup=1, repeats=1)
+    assert len(rows) == 2 and all(ms > 0 for r in rows for ms in r['ms'].values())
+    assert '| ours copy-back |' in bookkeeping_section(rows)
