@@ -31,8 +31,11 @@ def fsdp_sharded(model) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 # %% ../nbs/06_data_parallel.ipynb #7062b1f2
+_plain = (torch.Tensor, torch.nn.Parameter)
+
 def local_tensor(t:torch.Tensor) -> torch.Tensor: # A plain tensor sharing `t`'s storage
     "This rank's part of `t`: the local shard of a sharded `DTensor` (FSDP2's parameters and gradients), else `t` itself"
+    if type(t) in _plain: return t # (the common case, once per gradient per step: no failed attribute lookups)
     return t.to_local() if hasattr(t, 'to_local') and hasattr(t, 'placements') else t
 
 # %% ../nbs/06_data_parallel.ipynb #23e61c9a

@@ -43,9 +43,13 @@ class MasterParams:
 
     def grads(self) -> list: # The gradients of `params` that exist, sparse ones coalesced
         "The gradients the optimizer will step on"
-        for p in self.params: # a sparse gradient is coalesced, so that its values can be scaled in place
-            if p.grad is not None and p.grad.is_sparse and not p.grad.is_coalesced(): p.grad = p.grad.coalesce()
-        return [local_tensor(p.grad) for p in self.params if p.grad is not None]
+        res = []
+        for p in self.params: # (one pass, each `grad` read once: this runs at every step, for every parameter)
+            g = p.grad
+            if g is None: continue
+            if g.is_sparse and not g.is_coalesced(): p.grad = g = g.coalesce() # so that its values can be scaled in place
+            res.append(local_tensor(g))
+        return res
 
     def _free_grads(self):
         for p in self.params: p.grad = None

@@ -154,20 +154,22 @@ class LossScaler:
         if not grads: return None
         scale = self.scale_now()
         if not isinstance(scale, Tensor): _check_scale('scale', scale) # set out of range by hand, 1/scale would turn the gradients inf or NaN unflagged
-        if any(g.dtype != torch.float32 for g in grads):
-            raise TypeError("unscale_ takes FP32 gradients: unscaling in 16 bits would flush small gradients to zero")
-        # A sparse gradient (`nn.Embedding(sparse=True)`) has no fused kernel of its own: its values, once coalesced, do.
-        grads = [g._values() if g.is_sparse else g for g in grads]
         # The reciprocal is taken in float64 so that it is exact for every power-of-two scale, then stored as float32.
         inv = _f32(1./scale) if not isinstance(scale, Tensor) else (1./self._on_device[0]).float()
+        # A scale of 1 (bfloat16's): nothing to divide, so a large gradient is only read, by its sum (non-finite exactly
+        # when an element is inf or NaN, or when the sum itself overflows FP32, elements of about 1e31 and more)
+        read_only = not isinstance(inv, Tensor) and inv == 1
+        by_device = {} # device -> (gradients the fused kernel unscales and checks, large ones only read)
+        for g in grads: # (one pass: this runs at every step, for every gradient)
+            if g.dtype is not torch.float32:
+                raise TypeError("unscale_ takes FP32 gradients: unscaling in 16 bits would flush small gradients to zero")
+            if g.is_sparse: g = g._values() # (`nn.Embedding(sparse=True)`'s has no fused kernel of its own: its values, once coalesced, do)
+            fused,read = by_device.get(g.device) or by_device.setdefault(g.device, ([], []))
+            (read if read_only and g.numel() >= _read_only_check else fused).append(g)
         flags = []
-        for dev,gs in _by_device(grads).items():
-            found = torch.zeros((), dtype=torch.float32, device=dev)
-            if not isinstance(inv, Tensor) and inv == 1: # a scale of 1 (bfloat16's): nothing to divide, so a large gradient is only read, by its sum (non-finite
-                # exactly when an element is inf or NaN, or when the sum itself overflows FP32, elements of about 1e31 and more)
-                large = [g for g in gs if g.numel() >= _read_only_check]
-                if large: found = torch.stack([g.sum() for g in large]).isfinite().all().logical_not().float()
-                gs = [g for g in gs if g.numel() < _read_only_check]
+        for dev,(gs,large) in by_device.items():
+            if large: found = torch.stack([g.sum() for g in large]).isfinite().all().logical_not().float()
+            else: found = torch.zeros((), dtype=torch.float32, device=dev)
             inv_dev = inv.to(dev) if isinstance(inv, Tensor) else torch.full((), inv, dtype=torch.float32, device=dev)
             if gs: torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv_dev)
             flags.append(found)
@@ -335,12 +337,6 @@ def _check_float16_scales(scaler:LossScaler) -> None:
 def make_scaler(dtype:torch.dtype, loss_scale='auto', **kwargs) -> LossScaler:
     "The earlier name of `LossScaler.from_loss_scale`, kept for code that imports it"
     return LossScaler.from_loss_scale(dtype, loss_scale, **kwargs)
-
-# %% ../nbs/01_scaler.ipynb #264f68a8
-def _by_device(ts:list) -> dict:
-    res = {}
-    for t in ts: res.setdefault(t.device, []).append(t)
-    return res
 
 # %% ../nbs/01_scaler.ipynb #3cae86d7
 _state_keys = ('scale', 'growth_tracker', 'skipped', 'consecutive_skips')
