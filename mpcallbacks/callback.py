@@ -119,11 +119,12 @@ class MasterMixedPrecision(Callback):
     def measure_auto(self,
         learn:Learner, # The learner about to fit (this callback may be one passed to its `fit`)
     ) -> None:
-        "`keep_fp32='auto'`: before the first fit casts, keep in FP32 what the precision doctor finds 16 bits would break"
+        "`keep_fp32='auto'`: before the first fit casts, keep in FP32 what the precision doctor finds 16 bits would break, and start a dynamic scale where the gradients of what stays cast fit"
         if not self.auto or self.auto_kept is not None: return
         from .doctor import auto_fp32 # (the doctor builds on this callback: imported where it is called)
-        self.auto_kept = auto_fp32(learn, self.dtype, self.keep, self.loss_scale, self.scaler.dynamic)
-        self.keep = self.keep + self.auto_kept
+        auto = auto_fp32(learn, self.dtype, self.keep, self.loss_scale, self.scaler.dynamic)
+        self.auto_kept,self.keep = auto.kept,self.keep + auto.kept
+        if auto.loss_scale is not None: self.scaler.start_at(auto.loss_scale)
 
     def before_fit(self):
         "Open the fit (a `Learner.fit` casts the model's forward from here, in the type chosen for its device) or the inference; inside a running fit: nothing"

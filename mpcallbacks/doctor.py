@@ -7,6 +7,7 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/doctor.html.md"""
 # %% ../nbs/07_doctor.ipynb #01b42053
 from __future__ import annotations
 import contextlib, math, random, re, warnings, weakref
+from typing import NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -21,14 +22,15 @@ from .callback import MasterMixedPrecision
 from .distributed import world_size
 
 # %% auto #0
-__all__ = ['headroom_min', 'underflow_max', 'sensitivity_max', 'auto_batches', 'measured_modules', 'PrecisionProbe',
-           'plot_headroom', 'auto_keep', 'auto_fp32']
+__all__ = ['headroom_min', 'underflow_max', 'sensitivity_max', 'auto_batches', 'start_margin', 'measured_modules',
+           'PrecisionProbe', 'plot_headroom', 'auto_keep', 'AutoFP32', 'auto_fp32']
 
 # %% ../nbs/07_doctor.ipynb #4557f0e7
 headroom_min = 1.0 # bits below the type's largest finite value: closer is one unlucky batch from inf
 underflow_max = 0.05 # share of nonzero values below the type's smallest normal: more is a real part of the signal lost
 sensitivity_max = 8.0 # relative error of the 16-bit output, in epsilons of the type: more is amplification, not rounding
 auto_batches = 3 # training batches `to_mixed(keep_fp32='auto')` measures at the start of the first fit
+start_margin = 3 # bits below the scale at which the measured gradients just fit: where 'auto' starts a dynamic scale (they grow as a fit starts)
 
 # %% ../nbs/07_doctor.ipynb #f0f00be0
 def _owner(model:nn.Module, name:str) -> str:
@@ -579,7 +581,7 @@ def auto_keep(
     return tuple(KeptFor(n, w) for n,w in picked.items() if not within(n))
 
 # %% ../nbs/07_doctor.ipynb #1c5d2bd4
-def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype, whole:bool=False) -> None:
+def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype, whole:bool=False, start:float|None=None) -> None:
     "One warning: what 'auto' keeps in FP32 and why, whether that is not enough (then: FP32), and the loss scale if gradients underflow"
     t,why = str(dtype).split('.')[1],dict(zip(report.module, report.reason))
     for n,made in zip(report.module, report.inputs_from): # a layer kept for what it makes
@@ -597,6 +599,9 @@ def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype, whole:bool=F
                          "(`learn.to_unmixed()`) if the fit does not train as FP32 does.")
     scaling = report[report.verdict == 'needs loss scaling']
     if len(scaling): msg.append(f"The gradients of {len(scaling)} cast module(s) need loss scaling: {scaling.reason.iloc[0]}.")
+    if start is not None: msg.append(f"The dynamic loss scale starts at {_scale_name(start)}, {start_margin} bits below the one at "
+                                     f"which the gradients measured in the cast layers just fit: from a higher one, the fit's first "
+                                     f"steps would be skipped while the scale backs off.")
     if msg: warnings.warn(' '.join(msg), stacklevel=4)
 
 _whys = ('overflow', 'underflow', 'sensitivity', 'forward mixes dtypes', 'forward fails in 16 bits') # what `KeptFor` says
@@ -609,21 +614,39 @@ def _agreed(learn:Learner, kept:tuple) -> tuple:
     dist.all_reduce(codes, op=dist.ReduceOp.MAX) # (one collective, once per fit that measures)
     return tuple(KeptFor(n, why.get(n, _whys[c - 1])) for n,c in zip(names, codes.tolist()) if c)
 
+class AutoFP32(NamedTuple):
+    "What `to_mixed(keep_fp32='auto')` takes from the measure of its first fit"
+    kept: tuple # `KeptFor` entries: what to keep in FP32 besides what was kept already, the same on every rank
+    loss_scale: float|None # Where a dynamic loss scale starts, below the one it had: the measured gradients fit there; None: where it is
+
 def auto_fp32(
     learn:Learner, # The learner about to fit
     dtype:torch.dtype, # The 16-bit type it will train in
     keep:tuple, # What it keeps in FP32 already
     loss_scale:float, # The scale its scaler starts the fit with
     dynamic:bool, # Whether that scale moves
-) -> tuple: # `KeptFor` entries: what to keep in FP32 besides `keep`, the same on every rank
-    "Measure the model and name what its 16-bit type would break; one warning says what and why"
+) -> AutoFP32: # What to keep in FP32 besides `keep`, and where a dynamic scale starts; the same on every rank
+    "Measure the model, name what its 16-bit type would break, and where the gradients of what stays cast fit; one warning says what and why"
     rep = _report(learn, dtype, keep, loss_scale, dynamic, auto_batches)
     kept,whole = _agreed(learn, auto_keep(rep)),False
     sizes = {n:sum(p.numel() for p in m.parameters()) for n,m in learn.model.named_modules()}
     while kept and not _castable(learn.model, keep + kept): # keeping all of it would be FP32 training: the largest flagged stays cast
         whole,kept = True,tuple(sorted(kept, key=lambda k: sizes[k.name])[:-1])
-    _say_kept(kept, rep, dtype, whole)
-    return kept
+    start = _start_scale(learn, rep, kept, loss_scale) if dynamic else None
+    _say_kept(kept, rep, dtype, whole, start)
+    return AutoFP32(kept, start)
+
+def _start_scale(learn:Learner, rep:'pd.DataFrame', kept:tuple, loss_scale:float) -> float|None:
+    "`start_margin` bits below the scale at which the gradients of the modules still cast just fit, where that is below `loss_scale`; the same on every rank"
+    within = lambda n: any(n == k.name or n.startswith(k.name + '.') for k in kept)
+    cast = rep[(rep.module != '') & ~rep.module.map(within)]
+    top = float(np.nanmax(cast.grad_max.to_numpy(dtype=float), initial=0.)) / rep.attrs['loss_scale'] # (unscaled)
+    start = 2. ** (math.floor(math.log2(torch.finfo(rep.attrs['dtype']).max / top)) - start_margin) if 0 < top < math.inf else math.inf
+    if world_size() > 1: # (every rank scales its loss alike: the smallest start)
+        t = torch.tensor(start, dtype=torch.float64, device=next(learn.model.parameters()).device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        start = t.item()
+    return start if start < loss_scale else None
 
 def _castable(model:nn.Module, keep:tuple) -> bool:
     try: check_castable(model, keep)

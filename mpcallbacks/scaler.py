@@ -278,6 +278,13 @@ class LossScaler:
         k = self.consecutive_skips
         self._run_start = None if not k else min(max_loss_scale, self.scale * math.exp(min(k * -math.log(self.backoff_factor), 700.)))
 
+    def start_at(self,
+        scale:float, # Where the first step's scale should be: a dynamic scale above it starts here (never below `min_scale`)
+    ) -> None:
+        "Before the first step, lower a dynamic scale to `scale` (`keep_fp32='auto'` measured where the gradients fit); a scale that stepped, or a static one, stays"
+        if not self.dynamic or len(self.history) or self._pending: return
+        self.scale = _f32(max(min(self.scale, _check_scale('scale', scale)), self.min_scale))
+
     def take_settings(self,
         other:LossScaler, # A scaler built for the 16-bit type now chosen (`from_loss_scale`)
     ) -> None:

@@ -2,7 +2,7 @@
 arithmetic overflows (the doctor keeps what makes the overflow, not only what receives it); a layer that keeping in
 FP32 does not bring back within reach of FP32 (the doctor says to train the model in FP32); and a compiled model,
 which the measurement must not make compile more graphs."""
-import warnings
+import math, warnings
 import pytest, torch
 from torch import nn
 from torch._dynamo.utils import counters
@@ -233,3 +233,21 @@ def test_auto_never_keeps_the_whole_model():
     said = [str(x.message) for x in w if "keep_fp32='auto'" in str(x.message)]
     assert [k.name for k in learn.master_mixed_precision.auto_kept] == ['1'] # the gain; the Linear stays cast
     assert len(said) == 1 and 'would keep every layer in FP32' in said[0] and 'learn.to_unmixed()' in said[0], said
+
+# ---- a gain that 'auto' keeps, whose gradients then need a lower loss scale than float16's usual start
+
+def gain_before_the_head():
+    "Linear, a gain of 3e4, the head: FP32 trains it; in float16 the gain overflows, and once kept, the gradients it sends back into the cast Linear overflow at the usual start scale of 2**16"
+    learn = synth_learner()
+    torch.manual_seed(0)
+    learn.model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), Gain(), nn.Linear(32, 2))
+    return learn
+
+def test_auto_starts_a_dynamic_scale_where_the_measured_gradients_fit():
+    ref = fit_once(gain_before_the_head, None, epochs=3)
+    auto,said = fit_said(gain_before_the_head, dict(dtype=torch.float16, keep_fp32='auto'), epochs=3)
+    cb = auto.learn.cbs[-1]
+    assert {k.name for k in cb.auto_kept} == {'2', '3'}, cb.auto_kept
+    assert cb.skipped == 0 and cb.scaler.history[0][0] < 2**16, (cb.skipped, cb.scaler.history[0]) # 13 of 24 skipped from 2**16
+    assert rel(auto.mean_loss(False, 4), ref.mean_loss(False, 4)) < 0.02, (auto.mean_loss(False, 4), ref.mean_loss(False, 4))
+    assert len(said) == 1 and f'The dynamic loss scale starts at 2**{int(math.log2(cb.scaler.history[0][0]))}' in said[0], said

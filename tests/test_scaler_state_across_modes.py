@@ -28,3 +28,15 @@ def test_the_run_goes_on_where_the_scale_does():
     same, other = LossScaler(8., dynamic=False), LossScaler(4., dynamic=False)
     same.load_state_dict(s.state_dict()); other.load_state_dict(s.state_dict())
     assert (same.consecutive_skips, other.consecutive_skips, other.skipped, other.scale) == (3, 0, 3, 4.)
+
+def test_start_at_lowers_only_a_dynamic_scale_that_has_not_stepped():
+    from mpcallbacks.scaler import LossScaler
+    s = LossScaler(2.**16, min_scale=4.)
+    s.start_at(2.**20); assert s.scale == 2.**16 # never raised
+    s.start_at(16.); assert s.scale == 16.
+    s.start_at(1.); assert s.scale == 4. # never below min_scale
+    static = LossScaler(128., dynamic=False)
+    static.start_at(2.); assert static.scale == 128. # a static scale is the user's
+    stepped = LossScaler(2.**16)
+    stepped.update(False)
+    stepped.start_at(16.); assert stepped.scale == 2.**16 # a scale that stepped moves by the dynamic rule alone
