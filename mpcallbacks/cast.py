@@ -13,6 +13,7 @@ from torch import nn, Tensor
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.module import register_module_forward_pre_hook, register_module_forward_hook
 import copy, glob, re, sys, warnings, weakref
+from functools import partial
 from torch.autograd import Variable
 from torch.nn.utils.rnn import PackedSequence
 from torch.nn.utils import parametrizations
@@ -295,6 +296,11 @@ class ModelCast:
         self.rnns = [m for m in {id(m):m for m,*_ in self.slots}.values() if hasattr(m, '_init_flat_weights')]
         self.large = [i for i,p in enumerate(self.masters) if p.numel() >= _large_cast] # each cast as an autograd node of its own
         self.small = [i for i,p in enumerate(self.masters) if p.numel() < _large_cast] # all cast as one node
+        self.slots_of = {i:[] for i in self.large} # (module, slot name) of each large master's slots
+        for m,n,i in self.slots:
+            if i in self.slots_of: self.slots_of[i].append((m, n))
+        rnn_ids = {id(m) for m in self.rnns} # (an RNN keeps a list of its weights: its casts stay until the step ends)
+        self.releasable = {i for i,s in self.slots_of.items() if not any(id(m) in rnn_ids for m,_ in s)}
 
         self.modules = list(model.modules())
         # a parametrized weight read outside a forward computes from the masters, in FP32: the parametrization and its modules
@@ -305,6 +311,7 @@ class ModelCast:
         self.depth = 0 # How many calls of the model's modules are running, while casting
         self._casts = None # (the masters' versions, whether made with autograd, one cast per master), until `drop_casts`
         self._held = None # The casts a running backward holds in the slots (one per master), or None
+        self._gone = False # Whether the backward let go of a large cast of `_casts` (`_let_go`): the next forward casts again
         self._swapped = None # `(module, slot name, tensor)` of each slot that held another tensor than its master when the outermost call began
         self._autocast = None # While an outermost call runs: autocast's state before it (enabled, dtype, cache enabled)
         self._device_type = self.device.type # Where it runs: 'cpu', 'cuda'
@@ -334,14 +341,22 @@ class ModelCast:
         "The masters' casts: made for all at once, as one autograd node, and reused while no master changed"
         versions,graph = [p._version for p in self.masters],torch.is_grad_enabled()
         c = self._casts
-        if c is None or c[0] != versions or (graph and not c[1]): # (a cast made under no_grad has no backward)
+        if c is None or c[0] != versions or (graph and not c[1]) or self._gone: # (a cast made under no_grad has no backward)
             casts = [None] * len(self.masters)
             # Small masters share one autograd node (one Python call for all); a large one gets its own, whose backward
             # converts its gradient as soon as the backward made it, while it is still in the cache (measured: 10% of a
             # wide MLP's step, where one node for all converts 67 MB of cold gradients at the end)
-            for i,w in zip(self.small, _CastAll.apply(self.dtype, *(self.masters[i] for i in self.small))): casts[i] = w
-            for i in self.large: casts[i] = _CastAll.apply(self.dtype, self.masters[i])[0]
+            for i,w in zip(self.small, _CastAll.apply(self.dtype, None, *(self.masters[i] for i in self.small))): casts[i] = w
+            # Once a large master's gradient is made, its node has the cache and the slots let go of its cast: the memory
+            # serves the gradients still to come, as autocast's casts, freed with the graph, do (measured: 5 ms of a wide
+            # MLP's 110 ms step, the fresh memory the gradients otherwise take). Not in a compiled forward (dynamo traces
+            # the backward) nor without a graph.
+            ref = weakref.ref(self) if graph and not torch.compiler.is_compiling() else None
+            for i in self.large:
+                done = partial(_let_go, ref, versions, i) if ref is not None and i in self.releasable else None
+                casts[i] = _CastAll.apply(self.dtype, done, self.masters[i])[0]
             c = self._casts = (versions, graph, casts)
+            self._gone = False
         return c[2]
 
     def _put(self, tensors:list) -> None:
@@ -385,6 +400,19 @@ class ModelCast:
             mc._put(c[2])
             Variable._execution_engine.queue_callback(mc._release) # (run by the engine when this backward ends)
         for t in _needing_grad(out): t.register_hook(hold)
+
+    def _let_go(self,
+        made:list, # The masters' versions when the casts were made (which casts the call means)
+        i:int, # The master whose gradient the backward made
+    ) -> None:
+        "The backward made master `i`'s gradient and reads its cast no more: the cache, and the slots where a backward holds the casts, take the master instead, so that the cast is freed"
+        c = self._casts
+        if c is None or c[0] is not made or self.depth: return # (casts made since, or a backward inside a forward: nothing ends now)
+        self._gone = True
+        c[2][i] = self.masters[i] # (the list `_held` may be as well)
+        if self._held is not None:
+            self._held[i] = self.masters[i]
+            for m,n in self.slots_of[i]: m._parameters[n] = self.masters[i]
 
     def _release(self) -> None:
         "The backward is over: the masters go back"
@@ -489,18 +517,24 @@ def _cast_many(ts:tuple, dtype:torch.dtype) -> tuple:
     torch._foreach_copy_(casts, ts)
     return tuple(casts)
 
+def _let_go(ref, made:list, i:int) -> None: # (a large master's cast node calls it in the backward)
+    mc = ref()
+    if mc is not None: mc._let_go(made, i)
+
 class _CastAll(torch.autograd.Function):
-    "The masters cast to 16 bits as one autograd node, whose backward hands each its gradient in FP32 (sparse ones stay sparse)"
+    "The masters cast to 16 bits as one autograd node, whose backward hands each its gradient in FP32 (sparse ones stay sparse), then calls `done` (if not None)"
     @staticmethod
-    def forward(ctx, dtype, *masters):
+    def forward(ctx, dtype, done, *masters):
         ctx.set_materialize_grads(False) # a cast no op used gets no gradient (None), not zeros: its master keeps `grad=None`
+        ctx.done = done
         casts = _cast_many(masters, dtype)
         frozen = [c for c,p in zip(casts, masters) if not p.requires_grad] # (a frozen layer's weight gradient is never computed)
         if frozen: ctx.mark_non_differentiable(*frozen)
         return casts
     @staticmethod
     def backward(ctx, *grads): # (autograd's engine converts each to its master's FP32 in C++: a Python call per gradient spared)
-        return (None, *grads)
+        if ctx.done is not None: ctx.done()
+        return (None, None, *grads)
 
 # %% ../nbs/00_cast.ipynb #a6a5dd39
 _16bit_names = re.compile(r'BFloat16|Half|bfloat16|float16')
