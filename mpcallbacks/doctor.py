@@ -590,6 +590,12 @@ def auto_keep(
     within = lambda n: any(n.startswith(o + '.') for o in picked) # (kept with the module that holds it)
     return tuple(KeptFor(n, w) for n,w in picked.items() if not within(n))
 
+# %% ../nbs/07_doctor.ipynb #a7f0c3e1
+class AutoFP32(NamedTuple):
+    "What `to_mixed(keep_fp32='auto')` takes from the measure of its first fit"
+    kept: tuple # `KeptFor` entries: what to keep in FP32 besides what was kept already, the same on every rank
+    loss_scale: float|None # Where a dynamic loss scale starts, below the one it had: the measured gradients fit there; None: where it is
+
 # %% ../nbs/07_doctor.ipynb #1c5d2bd4
 def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype, whole:bool=False, start:float|None=None) -> None:
     "One warning: what 'auto' keeps in FP32 and why, whether that is not enough (then: FP32), and the loss scale if gradients underflow"
@@ -623,11 +629,6 @@ def _agreed(learn:Learner, kept:tuple) -> tuple:
     codes = torch.tensor([_whys.index(why[n]) + 1 if n in why else 0 for n in names], device=next(learn.model.parameters()).device)
     dist.all_reduce(codes, op=dist.ReduceOp.MAX) # (one collective, once per fit that measures)
     return tuple(KeptFor(n, why.get(n, _whys[c - 1])) for n,c in zip(names, codes.tolist()) if c)
-
-class AutoFP32(NamedTuple):
-    "What `to_mixed(keep_fp32='auto')` takes from the measure of its first fit"
-    kept: tuple # `KeptFor` entries: what to keep in FP32 besides what was kept already, the same on every rank
-    loss_scale: float|None # Where a dynamic loss scale starts, below the one it had: the measured gradients fit there; None: where it is
 
 def auto_fp32(
     learn:Learner, # The learner about to fit
