@@ -228,13 +228,13 @@ class MixedFit:
         found_inf = False if self.grads.guard is None else self.grads.guard
         self.grads.stepped()
         if self.cast is not None: self.cast.drop_casts()
-        self._stop_on_storm(self.scaler.update, found_inf) # (guarded steps are read 25 at a time)
+        self._stop_on_storm(self.scaler.update, found_inf) # (a guarded step's flag is read once it has landed on the host: on a CPU at once)
         self._check_loss()
 
     def _check_loss(self) -> None:
         "Once the host knows of the fit's first skip (no read of its own for that), read the loss once and say at once if it is not finite"
-        if self.fit_start is None or self.skip_loss is not None or self.scaler.pending_steps: return
-        if self.scaler.skipped > self.fit_start[1]: self.skip_loss = _loss_at_skip(self.learn.loss_grad)
+        if self.fit_start is None or self.skip_loss is not None: return
+        if self.scaler.skipped_recorded > self.fit_start[1]: self.skip_loss = _loss_at_skip(self.learn.loss_grad)
 
     @property
     def skipped_in_fit(self) -> int:

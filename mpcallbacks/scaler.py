@@ -13,7 +13,7 @@ from torch import Tensor
 from fastcore.meta import delegates
 
 # %% auto #0
-__all__ = ['min_loss_scale', 'max_loss_scale', 'NonFiniteGradients', 'ScaleHistory', 'LossScaler', 'make_scaler']
+__all__ = ['min_loss_scale', 'max_loss_scale', 'NonFiniteGradients', 'ScaleHistory', 'InFlightFlag', 'LossScaler', 'make_scaler']
 
 # %% ../nbs/01_scaler.ipynb #f6922805
 class NonFiniteGradients(FloatingPointError):
@@ -39,6 +39,28 @@ class ScaleHistory:
     def __eq__(self, other): return list(self) == list(other)
     def __repr__(self): return f"{type(self).__name__}({len(self)} steps in {len(self.runs)} runs)"
 
+# %% ../nbs/01_scaler.ipynb #747f228e
+class InFlightFlag:
+    """One step's inf/NaN flag on its way to the host. A CPU flag is host memory already: it has landed. Another device's
+    is copied into pinned memory without blocking, an event recorded after the copy: it has landed once the event has passed."""
+    def __init__(self, flag:Tensor):
+        self.flag,self.host,self.event = flag.detach().reshape(()).float(),None,None
+        if self.flag.device.type == 'cpu': self.host = self.flag
+        else:
+            try:
+                self.host = torch.empty((), dtype=torch.float32, pin_memory=True).copy_(self.flag, non_blocking=True)
+                self.event = torch.Event(self.flag.device)
+                self.event.record()
+            except (RuntimeError, TypeError, ValueError): self.host = self.event = None # (no pinned memory or events here: read by `settle`, with a wait)
+
+    def landed(self) -> bool:
+        "Whether the flag can be read on the host now: asks the device whether the copy is done, never waits for it"
+        return self.host is not None and (self.event is None or self.event.query())
+
+    def read(self) -> bool:
+        "The flag, once it has `landed`: the host's copy read from memory, with no tensor op and no wait"
+        return bool(self.host.numpy() != 0)
+
 # %% ../nbs/01_scaler.ipynb #0172ec28
 _skips_at_floor = 25 # The default limit's margin: skips in a row at `min_scale` before the scaler gives up
 _max_growth = 2.**16 # The largest growth_factor
@@ -58,7 +80,8 @@ class _Settled:
 class LossScaler:
     "Loss scale with the dynamic rule of `torch.amp.GradScaler`, a floor, and a limit on consecutive skips"
     scale,growth_tracker,skipped,consecutive_skips,history,_run_start = (_Settled() for _ in range(6))
-    settle_every = _skips_at_floor # Steps whose flags stay on the device before they are read (one host sync for all)
+    settle_every = _skips_at_floor # Steps whose flags may still be on their way to the host before the host waits for them (one sync for all)
+    flag_type = InFlightFlag # How a step's flag tensor travels to the host (`lagging_flags` swaps in one from a device behind the host)
     def __init__(self,
         init_scale:float=2.**16, # The scale to start from
         dynamic:bool=True, # Back off on inf/NaN and grow after `growth_interval` good steps; else keep `init_scale`
@@ -68,7 +91,7 @@ class LossScaler:
         min_scale:float=1., # The scale never backs off below this
         max_consecutive_skips:int|None=None, # Skips in a row that raise `NonFiniteGradients`; None: back-offs from the scale where the skips began to `min_scale`, plus 25
     ):
-        self._pending = [] # The flags of steps recorded on the device (`update` with a tensor), not read yet
+        self._pending = [] # The flags (`InFlightFlag`) of steps recorded on the device (`update` with a tensor), not read yet, oldest first
         self._on_device = None # The scale and growth tracker those steps moved to, on the device (float64); None: the host's are current
         init_scale = _check_scale('init_scale', init_scale)
         # Every argument is checked in every mode: a bad value is a mistake even where a static scale never uses it.
@@ -133,8 +156,13 @@ class LossScaler:
 
     @property
     def pending_steps(self) -> int:
-        "Steps whose flags are still on the device (reading the scale, the counters or the history reads them first)"
+        "Steps whose flags are still on their way to the host (reading the scale, the counters or the history waits for them first)"
         return len(self._pending)
+
+    @property
+    def skipped_recorded(self) -> int:
+        "Skipped steps the host has recorded so far, without waiting for the flags still on their way (`skipped` waits for them)"
+        return self.__dict__['_skipped']
 
     def scale_now(self) -> float|Tensor: # A float, or a 0-d float32 tensor on the device while steps are pending
         "The scale the next backward uses, without a host sync: the device's while flags of a dynamic scale are still unread"
@@ -178,11 +206,14 @@ class LossScaler:
     def update(self,
         found_inf:bool|Tensor, # Whether this step's gradients had an inf or a NaN (the step was skipped); a tensor: its flag, not read yet
     ) -> None:
-        "Record one optimizer step and move the scale by the dynamic rule; a flag still on the device is read with the next ones"
+        "Record one optimizer step and move the scale by the dynamic rule; a flag tensor is read once it has landed on the host, with no wait"
         if isinstance(found_inf, Tensor):
-            self._update_on_device(found_inf)
-            if len(self._pending) < self.settle_every: return
-            stop = self.settle()
+            flag = self.flag_type(found_inf)
+            if not self._pending and flag.landed(): stop = self._record(flag.read()) # (a CPU flag: read as it is)
+            else:
+                self._update_on_device(flag)
+                stop = self._read_landed()
+                if stop is None and len(self._pending) >= self.settle_every: stop = self.settle()
         else: stop = self._record(bool(found_inf))
         if stop: raise NonFiniteGradients(stop)
 
@@ -206,13 +237,13 @@ class LossScaler:
             self.growth_tracker = 0
         return None
 
-    def _update_on_device(self, found_inf:Tensor) -> None:
+    def _update_on_device(self, flag:InFlightFlag) -> None:
         "`_record`'s dynamic rule on the device, for a flag not read yet: the next step's scale with no host sync"
         if self.dynamic:
             if self._on_device is None:
-                self._on_device = torch.tensor([self.scale, self.growth_tracker], dtype=torch.float64, device=found_inf.device)
+                self._on_device = torch.tensor([self.scale, self.growth_tracker], dtype=torch.float64, device=flag.flag.device)
             scale,tracker = self._on_device.unbind()
-            found,count = found_inf.to(torch.float64) > 0,tracker + 1
+            found,count = flag.flag.to(torch.float64) != 0,tracker + 1
             # In float64, rounded to float32 as `_f32` rounds: the host's replay of the same flags lands on the same scale
             backed = (scale * self.backoff_factor).float().double().clamp_min(self.min_scale)
             grown = (scale * self.growth_factor).float().double()
@@ -220,13 +251,26 @@ class LossScaler:
             grown = torch.where(grown <= max_loss_scale, grown, scale)
             self._on_device = torch.stack([torch.where(found, backed, torch.where(grow, grown, scale)),
                                            torch.where(found | grow, torch.zeros_like(count), count)])
-        self._pending.append(found_inf.detach())
+        self._pending.append(flag)
+
+    def _read_landed(self) -> str|None: # The stop message, if a skip among them reached the limit
+        "Record the steps whose flags have landed on the host, oldest first, with no wait; the later ones stay on their way"
+        n = 0
+        while n < len(self._pending) and self._pending[n].landed(): n += 1
+        if not n: return None
+        landed,rest,self._pending = self._pending[:n],self._pending[n:],[] # (`_record`'s fields would settle every flag still pending)
+        try: stops = [self._record(f.read()) for f in landed]
+        finally: self._pending = rest
+        if not rest: self._on_device = None # (else it holds the scale after the steps still on their way)
+        return next((s for s in stops if s), None)
 
     def settle(self) -> str|None: # The stop message, if a skip among them reached the limit
-        "Read the flags still on the device, all in one host sync, and record their steps: the history, counters and scale as they stand"
+        "Read every flag still pending, waiting in one host sync for those not landed yet, and record their steps: the history, counters and scale as they stand"
         if not self._pending: return None
         flags,self._pending,self._on_device = self._pending,[],None
-        stops = [self._record(bool(f)) for f in torch.stack([f.reshape(()).float() for f in flags]).tolist()]
+        landed = [f.landed() for f in flags]
+        waited = iter(torch.stack([f.flag for f,l in zip(flags, landed) if not l]).tolist() if not all(landed) else ())
+        stops = [self._record(f.read() if l else next(waited) != 0) for f,l in zip(flags, landed)]
         return next((s for s in stops if s), None)
 
     def _stop_message(self) -> str:

@@ -13,9 +13,11 @@ import torch
 from torch import nn
 from fastai.basics import Learner, Callback, DataLoaders, CrossEntropyLossFlat, accuracy, set_seed, noop
 from .callback import MasterMixedPrecision
+from .scaler import LossScaler, InFlightFlag
 
 # %% auto #0
-__all__ = ['sync_methods', 'synth_dls', 'synth_model', 'synth_learner', 'opt_params', 'InjectNonFinite', 'count_syncs']
+__all__ = ['sync_methods', 'synth_dls', 'synth_model', 'synth_learner', 'opt_params', 'InjectNonFinite', 'count_syncs',
+           'lagging_flags']
 
 # %% ../nbs/97_test_utils.ipynb #cc33f475
 def synth_dls(
@@ -89,3 +91,24 @@ def count_syncs():
         for n,f in originals.items():
             if f is None: delattr(torch.Tensor, n)
             else: setattr(torch.Tensor, n, f)
+
+# %% ../nbs/97_test_utils.ipynb #7d5550a1
+@contextmanager
+def lagging_flags(
+    lag:int, # Steps after its own at which a flag lands on the host
+    on=LossScaler, # The scaler, or the class of scalers, whose flags lag
+):
+    "While inside, the flag tensors `on` is given land on the host `lag` steps late, as from a device that far behind the host"
+    made = [] # every flag made while inside, oldest first
+    class Lagging(InFlightFlag):
+        def __init__(self, flag):
+            super().__init__(flag)
+            self.at = len(made)
+            made.append(self)
+        def landed(self) -> bool: return len(made) - self.at > lag
+    had = 'flag_type' in vars(on)
+    before,on.flag_type = vars(on).get('flag_type'),Lagging
+    try: yield
+    finally:
+        if had: on.flag_type = before
+        else: delattr(on, 'flag_type')

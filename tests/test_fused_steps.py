@@ -7,7 +7,7 @@ import fastai.callback.schedule # fit_one_cycle
 from mpcallbacks.callback import MasterMixedPrecision
 from mpcallbacks.checkpoint import OptimizerWithScaler
 from mpcallbacks.scaler import NonFiniteGradients
-from mpcallbacks.test_utils import synth_learner, opt_params, InjectNonFinite, count_syncs
+from mpcallbacks.test_utils import synth_learner, opt_params, InjectNonFinite, count_syncs, lagging_flags
 
 pytestmark = pytest.mark.filterwarnings('ignore:float16 math is emulated')
 fused_adamw = partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))
@@ -21,14 +21,42 @@ def test_fused_optimizer_adds_no_host_sync_per_step(dtype):
     fp32 = syncs_of(synth_learner(opt_func=fused_adamw))
     learn = synth_learner(opt_func=fused_adamw).to_mixed(dtype)
     extra = syncs_of(learn) - fp32
+    assert learn.master_mixed_precision.scaler.pending_steps == 0
     assert len(learn.master_mixed_precision.scaler.history) == 16
-    assert extra <= 1, f"{extra} syncs beyond FP32's over 16 steps" # the flags, read once at the end of the fit
+    assert extra == 0, f"{extra} syncs beyond FP32's over 16 steps" # each flag read from host memory as the step ends
 
-def test_flags_are_read_every_25_steps():
-    learn = synth_learner(opt_func=fused_adamw).to_mixed(torch.bfloat16)
+@pytest.mark.parametrize('lag,waits', [(0, 0), (2, 1), (10**6, 3)])
+def test_flags_are_read_as_they_land_and_waited_for_only_at_the_end_or_25_behind(lag, waits):
+    "A device `lag` steps behind the host: the host waits for its flags only at the fit's end, or when 25 are on their way"
     fp32 = syncs_of(synth_learner(opt_func=fused_adamw), epochs=8)
-    extra = syncs_of(learn, epochs=8) - fp32 # 64 steps: read after 25 and 50, and at the end
-    assert extra == 3
+    learn = synth_learner(opt_func=fused_adamw).to_mixed(torch.float16)
+    with lagging_flags(lag): extra = syncs_of(learn, epochs=8) - fp32 # 64 steps
+    assert extra == waits and len(learn.master_mixed_precision.scaler.history) == 64
+
+def test_flags_that_land_late_record_the_same_steps_and_scale():
+    res = []
+    for lag in (0, 2, 10**6):
+        learn = synth_learner(opt_func=fused_adamw).to_mixed(torch.float16, init_scale=2.**10, growth_interval=10)
+        with lagging_flags(lag): learn.fit(8, 1e-3, cbs=InjectNonFinite(at=[5, 40]))
+        scaler = learn.master_mixed_precision.scaler
+        res.append((list(scaler.history), scaler.scale, scaler.skipped, [p.detach().clone() for p in learn.model.parameters()]))
+    assert [i for i,(_,k) in enumerate(res[0][0]) if k] == [5, 40]
+    assert res[0][1] == 2.**10 / 2 * 2**3 / 2 * 2**2 # 34 good steps between the skips, 23 after: growths every 10
+    for r in res[1:]:
+        assert r[:3] == res[0][:3]
+        assert all(torch.equal(a, b) for a,b in zip(r[3], res[0][3])) # the same steps taken, bit for bit
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_on_cuda_the_flags_come_back_with_no_wait_per_step():
+    def fit(mixed:bool):
+        learn = synth_learner(opt_func=fused_adamw)
+        learn.dls.cuda(); learn.model.cuda()
+        if mixed: learn.to_mixed(torch.float16)
+        return syncs_of(learn, epochs=8),learn
+    (fp32,_),(n,learn) = fit(False),fit(True)
+    assert n - fp32 <= 1 # at most one wait, at the fit's end, for the flags still on their way
+    scaler = learn.master_mixed_precision.scaler
+    assert len(scaler.history) == 64 and scaler.skipped == 0
 
 def test_a_non_fused_optimizer_reads_the_flag_once_per_step():
     fp32 = syncs_of(synth_learner(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW)))
@@ -70,7 +98,7 @@ def test_a_storm_under_a_fused_optimizer_stops_the_fit():
     before = [p.detach().clone() for p in learn.model.parameters()]
     with pytest.raises(NonFiniteGradients, match='optimizer steps in a row'):
         learn.fit(8, 1e-2, cbs=InjectNonFinite(at=range(1000)))
-    assert learn.master_mixed_precision.skipped == 25 # read 25 at a time: the storm is seen at the first read
+    assert learn.master_mixed_precision.skipped == 3 # each flag read as its step ends: the storm is seen at its third skip
     for a,b in zip(before, learn.model.parameters()): assert torch.equal(a, b) # no step wrote, BatchNorm's weights included
 
 class CancelEveryOtherStep(Callback):
