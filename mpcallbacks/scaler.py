@@ -116,6 +116,10 @@ class LossScaler:
         self._run_start = None # The scale at the first skip of the current run of skips; None between runs
         self.history = ScaleHistory() # The scale each step used, and whether it was skipped
 
+    def __getstate__(self): # (a pickle, a deep copy: plain Python state, no device flag or event in it)
+        self.settle()
+        return self.__dict__
+
     def _backoffs(self, scale:float) -> int: # Back-offs that take `scale` down to `min_scale`; none for a static scale
         if not self.dynamic or scale <= self.min_scale: return 0
         return math.ceil(math.log(scale/self.min_scale)/-math.log(self.backoff_factor) - 1e-9) # 1e-9: log's rounding
