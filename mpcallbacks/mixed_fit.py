@@ -69,7 +69,7 @@ def _every_step_skipped(steps:int, scaler:LossScaler, loss:float|None) -> str:
 # %% ../nbs/03a_mixed_fit.ipynb #b4546cd4
 def _loss_at_skip(loss:Tensor) -> float: # The loss, as a float
     "Read the loss once a step was skipped, and say at once if it is not finite: no loss scale fixes that"
-    res = loss.detach().float().sum().item() if isinstance(loss, Tensor) else float(loss)
+    res = loss.detach().float().sum().as_subclass(Tensor).item() if isinstance(loss, Tensor) else float(loss) # (one read: fastai's tensor type would pass `item` through its own `__torch_function__` too)
     if not math.isfinite(res):
         warnings.warn(f"A step was skipped with a loss of {res}, which no loss scale fixes: the inputs or targets are not "
                       "finite (check them with `torch.isfinite`), the model's forward overflows in 16 bits "
