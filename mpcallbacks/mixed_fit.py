@@ -216,8 +216,14 @@ class MixedFit:
         if found_inf is not None and guard is not None and opt.skips_on_flag:
             guard(found_inf)
             return self.grads.stepping(guard=found_inf)
-        if found_inf is None or not found_inf.item(): return self.grads.stepping()
+        if found_inf is None: return self.grads.stepping()
+        loss = self.learn.loss_grad if self.fit_start is not None and self.skip_loss is None else None
+        if isinstance(loss, Tensor): # the fit's first skip reads the loss too: with the flag, in the step's one host sync
+            found,loss = torch.stack([found_inf.reshape(()).float(), loss.detach().float().sum().as_subclass(Tensor).to(found_inf.device)]).tolist()
+        else: found,loss = found_inf.item(),None
+        if not found: return self.grads.stepping()
         self.grads.skip()
+        if loss is not None: self.skip_loss = _loss_at_skip(loss)
         self._stop_on_storm(self.scaler.update, True)
         self._check_loss()
         raise CancelStepException()

@@ -42,3 +42,12 @@ def test_budget_catches_a_second_sync_per_step():
     extra,steps,_ = extra_syncs(torch.float16, cbs=OneMoreSyncPerStep())
     assert extra >= 2 * steps # so the test above can fail: 32 > 16 + 2
     assert not within_budget(extra, steps)
+
+def test_the_first_skip_reads_the_loss_in_the_steps_one_sync():
+    "An optimizer that reads each step's flag: the loss of the fit's first skip is read with that flag, so a fit with skips adds one host sync per step, no more"
+    from mpcallbacks.test_utils import InjectNonFinite
+    fp32 = sum(fit_syncs(synth_learner(), 2).values())
+    learn = synth_learner().to_mixed(torch.float16, init_scale=2.**8)
+    mixed = sum(fit_syncs(learn, 2, cbs=[InjectNonFinite(at=[0, 3])]).values())
+    assert learn.master_mixed_precision.skipped == 2 and len(learn.master_mixed_precision.scaler.history) == 16
+    assert mixed - fp32 == 16 # one per step: each step's flag, the first skip's loss read with it
