@@ -66,8 +66,8 @@ def optimizer_syncs_section(rows:list) -> str:
             'As section 4 counts them, over one whole `fit` (set-up and validation included); the extra ones against an FP32 fit '
             'with the same optimizer, divided by the training steps. With fused AdamW the step\'s inf/NaN flag is recorded once it '
             'has landed on the host (a CPU\'s at once, from memory; an accelerator\'s after a copy that does not block): no read '
-            'waits for the device. A fit that skips a step reads its loss once, at its first skip, to say whether the loss itself '
-            'is not finite (float16\'s starting scale overflows the 202-tensor model\'s first step). fused AdamW = '
+            'waits for the device; the step\'s loss travels with its flag until the fit\'s first skip is known, to say whether that '
+            'loss was itself non-finite with no read of its own. fused AdamW = '
             '`partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))`.\n\n' + md_table(cols, body))
 
 if __name__ == '__main__': # `python -m bench.syncs`: section 4 and the optimizers' host syncs of section 8, printed

@@ -234,21 +234,26 @@ class MixedFit:
         found_inf = False if self.grads.guard is None else self.grads.guard
         self.grads.stepped()
         if self.cast is not None: self.cast.drop_casts()
-        self._stop_on_storm(self.scaler.update, found_inf) # (a guarded step's flag is read once it has landed on the host: on a CPU at once)
+        # (a guarded step's flag is read once it has landed on the host, on a CPU at once; until the fit's first skip is
+        # known, the step's loss travels with it, to say whether that loss was itself non-finite with no read of its own)
+        loss = self.learn.loss_grad if isinstance(found_inf, Tensor) and self.fit_start is not None and self.skip_loss is None else None
+        self._stop_on_storm(self.scaler.update, found_inf, loss if isinstance(loss, Tensor) else None)
         self._check_loss()
 
     def _check_loss(self) -> None:
         "Once the host knows of the fit's first skip (no read of its own for that), read the loss once and say at once if it is not finite"
         if self.fit_start is None or self.skip_loss is not None: return
-        if self.scaler.skipped_recorded > self.fit_start[1]: self.skip_loss = _loss_at_skip(self.learn.loss_grad)
+        if self.scaler.skipped_recorded > self.fit_start[1]:
+            loss = self.scaler.last_skip_loss # (the skipped step's own, where it came with its flag: no read)
+            self.skip_loss = _loss_at_skip(self.learn.loss_grad if loss is None else loss)
 
     @property
     def skipped_in_fit(self) -> int:
         "Steps skipped since the running fit began (between fits: over the learner's life)"
         return self.scaler.skipped - (self.fit_start[1] if self.fit_start is not None else 0)
 
-    def _stop_on_storm(self, update, found_inf) -> None:
-        try: update(found_inf)
+    def _stop_on_storm(self, update, *args) -> None:
+        try: update(*args)
         except NonFiniteGradients as e: # end the fit the orderly way: every `after_fit` runs, then `running_fit` raises it
             self.stopped_by = NonFiniteGradients(f"{e} {self.weights_note()}")
             if not self.fits: raise self.stopped_by from e # fastai's own `fit` (unwrapped), or inference: raised here

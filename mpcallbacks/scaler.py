@@ -41,14 +41,19 @@ class ScaleHistory:
 
 # %% ../nbs/01_scaler.ipynb #747f228e
 class InFlightFlag:
-    """One step's inf/NaN flag on its way to the host. A CPU flag is host memory already: it has landed. Another device's
-    is copied into pinned memory without blocking, an event recorded after the copy: it has landed once the event has passed."""
-    def __init__(self, flag:Tensor):
+    """One step's inf/NaN flag on its way to the host, with the step's loss beside it. A CPU flag is host memory already: it
+    has landed. Another device's is copied into pinned memory without blocking, an event recorded after the copy: it has
+    landed once the event has passed."""
+    def __init__(self,
+        flag:Tensor, # The step's flag: non-zero if its gradients had an inf or a NaN
+        loss:Tensor|None=None, # The step's loss, carried with the flag (to say whether a skipped step's loss was itself non-finite)
+    ):
         self.flag,self.host,self.event = flag.detach().reshape(()).float(),None,None
-        if self.flag.device.type == 'cpu': self.host = self.flag
+        self.values = self.flag.reshape(1) if loss is None else torch.stack([self.flag, loss.detach().float().sum().as_subclass(Tensor).to(self.flag.device)])
+        if self.flag.device.type == 'cpu': self.host = self.values
         else:
             try:
-                self.host = torch.empty((), dtype=torch.float32, pin_memory=True).copy_(self.flag, non_blocking=True)
+                self.host = torch.empty(self.values.shape, dtype=torch.float32, pin_memory=True).copy_(self.values, non_blocking=True)
                 self.event = torch.Event(self.flag.device)
                 self.event.record()
             except (RuntimeError, TypeError, ValueError): self.host = self.event = None # (no pinned memory or events here: read by `settle`, with a wait)
@@ -57,9 +62,10 @@ class InFlightFlag:
         "Whether the flag can be read on the host now: asks the device whether the copy is done, never waits for it"
         return self.host is not None and (self.event is None or self.event.query())
 
-    def read(self) -> bool:
-        "The flag, once it has `landed`: the host's copy read from memory, with no tensor op and no wait"
-        return bool(self.host.numpy() != 0)
+    def read(self) -> tuple: # (the flag, the loss or None)
+        "The flag and the loss, once they have `landed`: the host's copy read from memory, with no tensor op and no wait"
+        v = self.host.numpy().tolist() # (numpy's, on the host's copy)
+        return v[0] != 0,(v[1] if len(v) > 1 else None)
 
 # %% ../nbs/01_scaler.ipynb #0172ec28
 _skips_at_floor = 25 # The default limit's margin: skips in a row at `min_scale` before the scaler gives up
@@ -115,6 +121,7 @@ class LossScaler:
         self.growth_tracker,self.skipped,self.consecutive_skips = 0,0,0
         self._run_start = None # The scale at the first skip of the current run of skips; None between runs
         self.history = ScaleHistory() # The scale each step used, and whether it was skipped
+        self.last_skip_loss = None # The loss of the last skipped step the host has recorded, where `update` was given it
 
     def __getstate__(self): # (a pickle, a deep copy: plain Python state, no device flag or event in it)
         self.settle()
@@ -209,11 +216,12 @@ class LossScaler:
 
     def update(self,
         found_inf:bool|Tensor, # Whether this step's gradients had an inf or a NaN (the step was skipped); a tensor: its flag, not read yet
+        loss:Tensor|None=None, # With a flag tensor: the step's loss, carried to the host with it (`last_skip_loss`)
     ) -> None:
         "Record one optimizer step and move the scale by the dynamic rule; a flag tensor is read once it has landed on the host, with no wait"
         if isinstance(found_inf, Tensor):
-            flag = self.flag_type(found_inf)
-            if not self._pending and flag.landed(): stop = self._record(flag.read()) # (a CPU flag: read as it is)
+            flag = self.flag_type(found_inf, loss)
+            if not self._pending and flag.landed(): stop = self._record(*flag.read()) # (a CPU flag: read as it is)
             else:
                 self._update_on_device(flag)
                 stop = self._read_landed()
@@ -221,10 +229,11 @@ class LossScaler:
         else: stop = self._record(bool(found_inf))
         if stop: raise NonFiniteGradients(stop)
 
-    def _record(self, found_inf:bool) -> str|None: # The stop message, at the skip that reaches the limit
+    def _record(self, found_inf:bool, loss:float|None=None) -> str|None: # The stop message, at the skip that reaches the limit
         "One step on the host: the history, the counters and the scale"
         self.history.append((self.scale, found_inf))
         if found_inf:
+            self.last_skip_loss = loss
             if self.consecutive_skips == 0: self._run_start = self.scale
             self.skipped += 1
             self.consecutive_skips += 1
@@ -263,7 +272,7 @@ class LossScaler:
         while n < len(self._pending) and self._pending[n].landed(): n += 1
         if not n: return None
         landed,rest,self._pending = self._pending[:n],self._pending[n:],[] # (`_record`'s fields would settle every flag still pending)
-        try: stops = [self._record(f.read()) for f in landed]
+        try: stops = [self._record(*f.read()) for f in landed]
         finally: self._pending = rest
         if not rest: self._on_device = None # (else it holds the scale after the steps still on their way)
         return next((s for s in stops if s), None)
@@ -273,8 +282,9 @@ class LossScaler:
         if not self._pending: return None
         flags,self._pending,self._on_device = self._pending,[],None
         landed = [f.landed() for f in flags]
-        waited = iter(torch.stack([f.flag for f,l in zip(flags, landed) if not l]).tolist() if not all(landed) else ())
-        stops = [self._record(f.read() if l else next(waited) != 0) for f,l in zip(flags, landed)]
+        waited = iter(torch.cat([f.values for f,l in zip(flags, landed) if not l]).tolist() if not all(landed) else ())
+        def wait(f): return next(waited) != 0,(next(waited) if len(f.values) > 1 else None) # (each flag's values, in order)
+        stops = [self._record(*(f.read() if l else wait(f))) for f,l in zip(flags, landed)]
         return next((s for s in stops if s), None)
 
     def _stop_message(self) -> str:

@@ -101,8 +101,8 @@ def lagging_flags(
     "While inside, the flag tensors `on` is given land on the host `lag` steps late, as from a device that far behind the host"
     made = [] # every flag made while inside, oldest first
     class Lagging(InFlightFlag):
-        def __init__(self, flag):
-            super().__init__(flag)
+        def __init__(self, flag, loss=None):
+            super().__init__(flag, loss)
             self.at = len(made)
             made.append(self)
         def landed(self) -> bool: return len(made) - self.at > lag

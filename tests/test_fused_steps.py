@@ -1,5 +1,6 @@
 """Optimizer steps: a fused torch optimizer skips flagged steps in its kernel, with no host sync, exactly as
 `torch.amp.GradScaler` drives it; fastai's `Adam`/`SGD` step through torch's fused kernels with fastai's state."""
+import math
 from functools import partial
 import pytest, torch
 from fastai.basics import Callback, OptimWrapper, Adam, SGD, CancelStepException
@@ -32,6 +33,16 @@ def test_flags_are_read_as_they_land_and_waited_for_only_at_the_end_or_25_behind
     learn = synth_learner(opt_func=fused_adamw).to_mixed(torch.float16)
     with lagging_flags(lag): extra = syncs_of(learn, epochs=8) - fp32 # 64 steps
     assert extra == waits and len(learn.master_mixed_precision.scaler.history) == 64
+
+@pytest.mark.parametrize('lag', [0, 2])
+def test_skips_under_a_fused_optimizer_add_no_host_sync(lag):
+    "The skipped step's loss comes to the host with its flag: the fit says whether it was finite with no read of its own"
+    fp32 = syncs_of(synth_learner(opt_func=fused_adamw), epochs=8)
+    learn = synth_learner(opt_func=fused_adamw).to_mixed(torch.float16, init_scale=2.**10)
+    with lagging_flags(lag): extra = syncs_of(learn, epochs=8, cbs=InjectNonFinite(at=[5, 40])) - fp32
+    assert learn.master_mixed_precision.skipped == 2
+    assert extra == (1 if lag else 0) # (a device behind the host: one wait, at the fit's end)
+    assert math.isfinite(learn.master_mixed_precision.mixed_fit.skip_loss) # the first skip's loss, known on the host (finite: the inf was in a gradient)
 
 def test_flags_that_land_late_record_the_same_steps_and_scale():
     res = []
