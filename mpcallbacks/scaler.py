@@ -55,8 +55,8 @@ class InFlightFlag:
             try:
                 self.host = torch.empty(self.values.shape, dtype=torch.float32, pin_memory=True).copy_(self.values, non_blocking=True)
                 self.event = torch.Event(self.flag.device)
-                self.event.record()
-            except (RuntimeError, TypeError, ValueError): self.host = self.event = None # (no pinned memory or events here: read by `settle`, with a wait)
+                self.event.record(torch.accelerator.current_stream(self.flag.device)) # (the copy's stream: the flag's device's, whichever device is current)
+            except (RuntimeError, TypeError, ValueError, AttributeError): self.host = self.event = None # (no pinned memory or events here: read by `settle`, with a wait)
 
     def landed(self) -> bool:
         "Whether the flag can be read on the host now: asks the device whether the copy is done, never waits for it"
