@@ -17,7 +17,7 @@ from fastai.callback.core import CancelStepException, CancelFitException
 from .cast import cast_model, warn_if_slow, _user_stacklevel
 from .master import MasterParams, GradPhase
 from .distributed import RankAgreement, fsdp_sharded, local_tensor
-from .scaler import LossScaler, NonFiniteGradients
+from .scaler import LossScaler, NonFiniteGradients, InFlightFlag
 
 # %% auto #0
 __all__ = ['FitPhase', 'SkippedStepsWarning', 'MixedFit']
@@ -217,13 +217,10 @@ class MixedFit:
             guard(found_inf)
             return self.grads.stepping(guard=found_inf)
         if found_inf is None: return self.grads.stepping()
-        loss = self.learn.loss_grad if self.fit_start is not None and self.skip_loss is None else None
-        if isinstance(loss, Tensor): # the fit's first skip reads the loss too: with the flag, in the step's one host sync
-            found,loss = torch.stack([found_inf.reshape(()).float(), loss.detach().float().sum().as_subclass(Tensor).to(found_inf.device)]).tolist()
-        else: found,loss = found_inf.item(),None
+        found,*loss = InFlightFlag.pack(found_inf, self._carried_loss()).tolist() # (the fit's first skip reads its loss too: in the same host sync)
         if not found: return self.grads.stepping()
         self.grads.skip()
-        if loss is not None: self.skip_loss = _loss_at_skip(loss)
+        if loss: self.skip_loss = _loss_at_skip(loss[0])
         self._stop_on_storm(self.scaler.update, True)
         self._check_loss()
         raise CancelStepException()
@@ -236,9 +233,13 @@ class MixedFit:
         if self.cast is not None: self.cast.drop_casts()
         # (a guarded step's flag is read once it has landed on the host, on a CPU at once; until the fit's first skip is
         # known, the step's loss travels with it, to say whether that loss was itself non-finite with no read of its own)
-        loss = self.learn.loss_grad if isinstance(found_inf, Tensor) and self.fit_start is not None and self.skip_loss is None else None
-        self._stop_on_storm(self.scaler.update, found_inf, loss if isinstance(loss, Tensor) else None)
+        self._stop_on_storm(self.scaler.update, found_inf, self._carried_loss() if isinstance(found_inf, Tensor) else None)
         self._check_loss()
+
+    def _carried_loss(self) -> Tensor|None:
+        "The step's loss while the fit's first skip is not known yet (it goes to the host with the step's flag); else None"
+        loss = self.learn.loss_grad if self.fit_start is not None and self.skip_loss is None else None
+        return loss if isinstance(loss, Tensor) else None
 
     def _check_loss(self) -> None:
         "Once the host knows of the fit's first skip (no read of its own for that), read the loss once and say at once if it is not finite"

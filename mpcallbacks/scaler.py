@@ -48,8 +48,8 @@ class InFlightFlag:
         flag:Tensor, # The step's flag: non-zero if its gradients had an inf or a NaN
         loss:Tensor|None=None, # The step's loss, carried with the flag (to say whether a skipped step's loss was itself non-finite)
     ):
-        self.flag,self.host,self.event = flag.detach().reshape(()).float(),None,None
-        self.values = self.flag.reshape(1) if loss is None else torch.stack([self.flag, loss.detach().float().sum().as_subclass(Tensor).to(self.flag.device)])
+        self.values = self.pack(flag, loss) # (what travels)
+        self.flag,self.host,self.event = self.values[0],None,None
         if self.flag.device.type == 'cpu': self.host = self.values
         else:
             try:
@@ -57,6 +57,15 @@ class InFlightFlag:
                 self.event = torch.Event(self.flag.device)
                 self.event.record(torch.accelerator.current_stream(self.flag.device)) # (the copy's stream: the flag's device's, whichever device is current)
             except (RuntimeError, TypeError, ValueError, AttributeError): self.host = self.event = None # (no pinned memory or events here: read by `settle`, with a wait)
+
+    @staticmethod
+    def pack(
+        flag:Tensor, # A step's inf/NaN flag
+        loss:Tensor|None=None, # The step's loss, or None
+    ) -> Tensor: # 1 or 2 float32 numbers on the flag's device
+        "The flag, and the loss's sum beside it, as one tensor: what goes to the host, in one copy or one read"
+        flag = flag.detach().reshape(1).float()
+        return flag if loss is None else torch.cat([flag, loss.detach().float().sum().as_subclass(Tensor).reshape(1).to(flag.device)])
 
     def landed(self) -> bool:
         "Whether the flag can be read on the host now: asks the device whether the copy is done, never waits for it"
