@@ -2,7 +2,7 @@
 from collections import Counter
 import pytest, torch
 from fastai.basics import Callback
-from mpcallbacks.test_utils import synth_learner, count_syncs, sync_methods # the benchmark's counter too
+from mpcallbacks.test_utils import synth_learner, count_syncs, sync_methods, InjectNonFinite # the benchmark's counter too
 
 pytestmark = pytest.mark.filterwarnings('ignore:float16 math is emulated')
 
@@ -45,7 +45,6 @@ def test_budget_catches_a_second_sync_per_step():
 
 def test_the_first_skip_reads_the_loss_in_the_steps_one_sync():
     "An optimizer that reads each step's flag: the loss of the fit's first skip is read with that flag, so a fit with skips adds one host sync per step, no more"
-    from mpcallbacks.test_utils import InjectNonFinite
     fp32 = sum(fit_syncs(synth_learner(), 2).values())
     learn = synth_learner().to_mixed(torch.float16, init_scale=2.**8)
     mixed = sum(fit_syncs(learn, 2, cbs=[InjectNonFinite(at=[0, 3])]).values())
