@@ -208,12 +208,15 @@ class MixedFit:
         self.ranks.after_backward(self.learn.model)
 
     def step_or_skip(self) -> None:
-        "Before the optimizer steps: an optimizer that skips on the flag gets it (no host sync); else the flag is read, and a flagged step skipped"
+        "Before the optimizer steps: an optimizer that skips on the flag gets it (no host sync) unless the host already knows the step finite; else the flag is read, and a flagged step skipped"
         if self.grads.phase is not GradPhase.UNSCALED: return
         found_inf = self.ranks.agree(self.grads.found_inf, self.device)
         opt = getattr(self.learn, 'opt', None)
         guard = getattr(opt, 'guard', None) # (`OptimizerWithScaler`'s, the optimizer `to_mixed` gives the learner)
         if found_inf is not None and guard is not None and opt.skips_on_flag:
+            # (a CPU's flag is read from memory: a finite step needs no flag in the kernel, nor torch's undo of its step
+            # counts after it, 0.11 ms a step for 202 parameters)
+            if self.scaler.finite_now(found_inf): return self.grads.stepping()
             guard(found_inf)
             return self.grads.stepping(guard=found_inf)
         if found_inf is None: return self.grads.stepping()

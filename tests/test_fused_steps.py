@@ -57,6 +57,19 @@ def test_flags_that_land_late_record_the_same_steps_and_scale():
         assert r[:3] == res[0][:3]
         assert all(torch.equal(a, b) for a,b in zip(r[3], res[0][3])) # the same steps taken, bit for bit
 
+@pytest.mark.parametrize('lag', [0, 2])
+def test_a_step_the_host_knows_finite_is_taken_with_no_flag_in_the_kernel(lag, monkeypatch):
+    "A CPU's flag is read from memory as the step begins: a finite step's kernel needs no flag (nor torch its undo of the step counts); a skip, or a flag still on its way, gives the kernel the flag"
+    flagged,step = [],torch.optim.AdamW.step
+    def spy(self, *args, **kwargs):
+        flagged.append(getattr(self, 'found_inf', None) is not None)
+        return step(self, *args, **kwargs)
+    monkeypatch.setattr(torch.optim.AdamW, 'step', spy)
+    learn = synth_learner(opt_func=fused_adamw).to_mixed(torch.float16, init_scale=2.**10)
+    with lagging_flags(lag): learn.fit(2, 1e-3, cbs=InjectNonFinite(at=[5]))
+    assert flagged == ([i == 5 for i in range(16)] if lag == 0 else [True]*16)
+    assert [k for _,k in learn.master_mixed_precision.scaler.history] == [i == 5 for i in range(16)]
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 def test_on_cuda_the_flags_come_back_with_no_wait_per_step():
     def fit(mixed:bool):
