@@ -65,8 +65,8 @@ def optimizer_syncs_section(rows:list) -> str:
     return ("#### 8c. Host syncs per training step with fastai's Adam and fused AdamW\n\n"
             'As section 4 counts them, over one whole `fit` (set-up and validation included); the extra ones against an FP32 fit '
             'with the same optimizer, divided by the training steps. With fused AdamW the step\'s inf/NaN flag is recorded once it '
-            'has landed on the host (a CPU\'s at once, from memory; an accelerator\'s after a copy that does not block): no read '
-            'waits for the device; the step\'s loss travels with its flag until the fit\'s first skip is known, to say whether that '
+            'has landed on the host (a CPU\'s at once, from memory, as the step begins: a finite step\'s kernel then gets no flag; '
+            'an accelerator\'s after a copy that does not block): no read waits for the device; the step\'s loss travels with its flag until the fit\'s first skip is known, to say whether that '
             'loss was itself non-finite with no read of its own. fused AdamW = '
             '`partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))`.\n\n' + md_table(cols, body))
 
