@@ -12,6 +12,7 @@ import torch
 from torch import nn, Tensor
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.module import register_module_forward_pre_hook, register_module_forward_hook
+from torch.nn.modules import module as torch_module # (its registries of global hooks)
 import copy, glob, operator, re, sys, warnings, weakref
 from functools import partial
 from torch.autograd import Variable
@@ -274,6 +275,14 @@ def _roles(model, kept_tops, slots) -> dict:
 
 # %% ../nbs/00_cast.ipynb #5525acbe
 _large_cast = 2**16 # Elements of a master from which its cast is an autograd node of its own (256 KiB in FP32)
+# torch's own layers whose forward is one op that autocast runs in 16 bits on these devices, casting its floating-point
+# inputs as our pre-hook would: inside a forward they need no hook of ours
+_autocast_layers,_autocast_devices = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d),('cpu', 'cuda')
+
+def _compiled(modules:list) -> bool:
+    "Whether any of `modules` is compiled: wrapped by `torch.compile`, or compiled in place (`module.compile()`)"
+    optimized = getattr(sys.modules.get('torch._dynamo.eval_frame'), 'OptimizedModule', None) # (none before dynamo's import)
+    return any((optimized is not None and isinstance(m, optimized)) or m._compiled_call_impl is not None for m in modules)
 
 def _needing_grad(x) -> list:
     "The tensors in `x` (a tensor, or a tuple, list or dict of them, nested) that a backward can reach"
@@ -306,6 +315,14 @@ class ModelCast:
         # a parametrized weight read outside a forward computes from the masters, in FP32: the parametrization and its modules
         self.parametrizations = {id(s) for m in self.modules if isinstance(m, ParametrizationList) for s in m.modules()}
         self.roles = _roles(model, kept_tops, plan)
+        # The modules whose calls inside a forward need our hooks: those with a role, but torch's Linear and convolutions
+        local = self.device.type in _autocast_devices
+        self.acting = [m for m in self.modules if self.roles[id(m)] is not CastRole.PLAIN
+                       and not (local and self.roles[id(m)] is CastRole.CAST_INPUT and type(m) in _autocast_layers)]
+        self.compiled = _compiled(self.modules) # (dynamo guards a compiled model on its hooks: hooks made for each call recompile it)
+        self._local = None # While an outermost call runs on the hooks of `acting` (torch's global ones off): their handles
+        self._outer = None # ... and the module whose call is the outermost
+        self._stale = [] # The handle of the hook an outermost call that raised left on its module, until removed
         self.attrs16 = _attrs16(model) # 16-bit tensors the model held before: `restore` leaves them alone
         self.active = False # Whether forwards cast (the owner's setting)
         self.depth = 0 # How many calls of the model's modules are running, while casting
@@ -427,6 +444,7 @@ class ModelCast:
             if id(m) in self.parametrizations: return None # a weight read outside a forward computes from the masters
             self._put_casts()
             self._enter_autocast()
+            self._go_local(m)
         self.depth += 1
         role = self.roles[id(m)]
         if role is CastRole.PLAIN: return None
@@ -447,10 +465,56 @@ class ModelCast:
         if role is not CastRole.PLAIN and role is not CastRole.CAST_INPUT: torch.set_autocast_enabled(self._device_type, True)
         if self.depth == 0:
             self._exit_autocast()
+            self._go_global()
             self._put_back()
             self._hold_for_backward(out)
             _note_dtype_clash(sys.exc_info()[1])
         return cast_floats(out, self.dtype) if role is CastRole.FP32_NORM else None
+
+    def _go_local(self,
+        m:nn.Module, # The module whose call is the outermost
+    ) -> None:
+        "For the outermost call: torch's global hooks off, so that a module with no hook of its own runs torch's fast path, and hooks on the modules that act (and on `m`) instead"
+        # (not with another model cast, whose modules the global hooks serve, nor for a compiled model)
+        self._drop_stale()
+        if len(_casts) != 1 or not _global_hooks or self.compiled or torch.compiler.is_compiling(): return
+        local = self._local = [] # (first: `_go_global` undoes whatever follows, should a Ctrl-C cut it short)
+        for a in {id(x):x for x in [*self.acting, m]}.values(): # (`m`'s: its end, and a call of `m` inside itself)
+            local.append(a.register_forward_pre_hook(self._pre_local, prepend=True, with_kwargs=True))
+            local.append(a.register_forward_hook(self._post_local, prepend=True, always_call=True))
+        pre,post = _global_hooks # (their entries leave torch's registries and come back under the same ids)
+        torch_module._global_forward_pre_hooks.pop(pre.id, None)
+        torch_module._global_forward_hooks.pop(post.id, None)
+        self._outer = m
+
+    def _go_global(self) -> None:
+        "The outermost call is over: torch's global hooks back, the hooks of `_go_local` removed (idempotent)"
+        if self._local is None: return
+        if _global_hooks:
+            pre,post = _global_hooks
+            torch_module._global_forward_pre_hooks[pre.id] = _pre_hook
+            torch_module._global_forward_hooks[post.id] = _post_hook
+        # A call that raised runs its `always_call` hooks from torch's own loop over the outermost module's forward hooks,
+        # which cannot change under it: that one stays, doing nothing, until the next outermost call or `restore`
+        keep = self._outer if sys.exc_info()[0] is not None else None
+        stale = []
+        for h in self._local:
+            if keep is None or h.id not in keep._forward_hooks: h.remove()
+            else: stale.append(h)
+        self._stale,self._local,self._outer = stale,None,None
+
+    def _drop_stale(self) -> None:
+        "Remove the hook a raising outermost call left on its module"
+        stale,self._stale = self._stale,[]
+        for h in stale: h.remove()
+
+    def _pre_local(self, m:nn.Module, args:tuple, kwargs:dict):
+        # (a copy that shares the module's hook dictionaries, as `nn.DataParallel`'s replicas do, is not ours; nor is a
+        # call after the outermost one ended, with the hooks a raising call left)
+        return self._pre(m, args, kwargs) if self._local is not None and _by_module.get(id(m)) is self else None
+
+    def _post_local(self, m:nn.Module, args:tuple, out):
+        return self._post(m, out) if self._local is not None and _by_module.get(id(m)) is self else None
 
     def _enter_autocast(self) -> None:
         "The outermost call runs under autocast to the 16-bit type, with no cache (our casts are made already; a leaf's cast would outlive its next step)"
@@ -474,6 +538,7 @@ class ModelCast:
         taken = [m for m in self.modules if id(m) in _by_module]
         if taken: raise ValueError(f"A module of this model ({type(taken[0]).__name__}) is already cast for another fit: one "
                                    "module can train in one mixed-precision fit at a time.")
+        _casts.add(id(self))
         if not _global_hooks: _global_hooks.extend([register_module_forward_pre_hook(_pre_hook),
                                                     register_module_forward_hook(_post_hook, always_call=True)])
         # The hooks act at a module that has a role, or parameters in it: a call of any other (an activation, a pooling)
@@ -486,6 +551,9 @@ class ModelCast:
             if self.roles[id(m)] is not CastRole.PLAIN: m._forward_pre_hooks_with_kwargs[_global_hooks[0].id] = True
 
     def _unregister(self) -> None:
+        self._go_global()
+        self._drop_stale()
+        _casts.discard(id(self))
         for m in self.modules:
             if _global_hooks: m._forward_pre_hooks_with_kwargs.pop(_global_hooks[0].id, None)
             if _by_module.get(id(m)) is self: del _by_module[id(m)]
@@ -560,6 +628,7 @@ def _note_dtype_clash(e) -> None:
 # %% ../nbs/00_cast.ipynb #df5368a5
 _by_module = {} # id(module) -> the `ModelCast` of the model that holds it, while cast
 _global_hooks = [] # handles of the two global hooks, while `_by_module` is not empty
+_casts = set() # id of each registered `ModelCast`
 
 def _pre_hook(m, args, kwargs=None):
     mc = _by_module.get(id(m))
