@@ -7,5 +7,6 @@ What importing changes outside the package, all of it in `mpcallbacks.learner` a
 `precision_report` are added; `Learner.fit` is wrapped (a learner without `MasterMixedPrecision` runs fastai's own);
 fastai's `to_fp32`/`to_non_native_fp32` also remove ours. Every other module changes nothing when imported. During a mixed fit, two global module hooks of torch
 are registered (`torch.nn.modules.module.register_module_forward_pre_hook` and `..._forward_hook`); they act on the
-fit's model only, and are removed when the fit ends."""
+fit's model only (inside each of its forwards they step aside for hooks on the model's modules that act, removed as the
+forward returns), and are removed when the fit ends."""
 __version__ = "0.2.0"
