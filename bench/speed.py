@@ -1,9 +1,10 @@
 """Section 8: whole training steps at realistic widths inside fastai's `fit`, as a user runs them: FP32, `to_mixed()`,
 `torch.autocast` and pure 16-bit, with fastai's Adam and torch's fused AdamW, on the device's native 16-bit types.
 
-`python -m bench.speed` prints this section alone; `--models`, `--opts`, `--rounds` pick what it measures."""
+`python -m bench.speed` prints this section alone; `--models`, `--opts`, `--rounds` pick what it measures, and `--heap kept`
+measures with glibc's malloc keeping freed memory in the process (no page faults of memory handed back and taken again)."""
 from __future__ import annotations
-import argparse, os, statistics, time, warnings
+import argparse, ctypes, os, resource, statistics, sys, time, warnings
 warnings.filterwarnings('ignore', category=FutureWarning, message='.*torch.jit.script') # torchvision's, at import
 from functools import partial
 from typing import Callable, NamedTuple
@@ -112,7 +113,22 @@ def spread(secs:list) -> float:
     q1,_,q3 = statistics.quantiles(secs, n=4, method='inclusive')
     return q3 / q1
 
-def time_workload(w:Workload, opts:list, dtypes:list, device, rounds:int) -> tuple: # (ms, spread, failed: {(opt, config, dtype): ...}, load)
+M_TRIM_THRESHOLD,M_MMAP_MAX = -1,-4 # glibc's `mallopt` parameters (malloc.h)
+
+def keep_freed_memory() -> bool: # Whether it took (glibc only)
+    "Ask glibc's malloc to keep freed memory in the process for good: no trimming of the heap's top, no large block mapped and unmapped on its own"
+    # With glibc's defaults, the gradients a step frees can end up at the heap's top, which goes back to the system; the
+    # next backward faults it in again, page by page (measured: 4.7 ms per 32 MB here). On the wide MLP, each config alone
+    # in a process of its own: FP32, autocast and to_mixed 8-22K faults a step, pure 16-bit none; in one process, which
+    # learner pays depends on which ran before it (to_mixed: 14-20K faults a step run first, none after an FP32 fit).
+    if not sys.platform.startswith('linux'): return False
+    try: mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError): return False
+    return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+
+def minor_faults() -> int: return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+def time_workload(w:Workload, opts:list, dtypes:list, device, rounds:int) -> tuple: # (ms, spread, failed: {(opt, config, dtype): ...}, load, faults)
     """Every (optimizer, config, dtype) of `w` as a learner of its own, fit `rounds` times for `w.steps` batches, the learners
     taking turns in a rotating order; median ms of the timed batches. A learner whose first fit raises is reported as failed."""
     learners,failed = {},{}
@@ -125,18 +141,25 @@ def time_workload(w:Workload, opts:list, dtypes:list, device, rounds:int) -> tup
                     fit_times(learn, w.skip, device) # untimed: optimizer state, caches; fails early if the config cannot train
                     learners[key] = learn
                 except Exception as e: failed[key] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:160]
-    loads = [] # the machine's 1-minute load average after each fit: how much other work shared the cores
-    def fit_and_load(learn):
+    loads,faults = [],{k:[] for k in learners} # the 1-minute load average after each fit (how much other work shared the cores); page faults per batch
+    def fit_and_load(key, learn):
+        f0 = minor_faults()
         res = fit_times(learn, w.steps, device)
+        faults[key].append((minor_faults() - f0) / w.steps)
         loads.append(os.getloadavg()[0])
         return res
-    runs,samples = {k:partial(fit_and_load, l) for k,l in learners.items()},{}
+    runs,samples = {k:partial(fit_and_load, k, l) for k,l in learners.items()},{}
     ms = side_by_side_fits(runs, rounds, w.skip, samples)
-    return ms,{k:spread(v) for k,v in samples.items()},failed,max(loads, default=float('nan'))
+    return (ms,{k:spread(v) for k,v in samples.items()},failed,max(loads, default=float('nan')),
+            {k:statistics.median(v) for k,v in faults.items() if v})
 
-def run_speed(device, models=tuple(workloads), opts=tuple(optimizers), rounds:int=5, threads:int|None=None) -> dict:
+def run_speed(device, models=tuple(workloads), opts=tuple(optimizers), rounds:int=5, threads:int|None=None,
+              heap:str='glibc', # 'glibc': its defaults, as a user runs; 'kept': glibc keeps freed memory for the rest of the process (`keep_freed_memory`)
+             ) -> dict:
     "Each workload's configs side by side, with every thread of the machine (restored after)"
     device = torch.device(device)
+    if heap not in ('kept', 'glibc'): raise ValueError(f"heap must be 'kept' or 'glibc', got {heap!r}")
+    kept = heap == 'kept' and device.type == 'cpu' and keep_freed_memory()
     before = torch.get_num_threads()
     if device.type == 'cpu': torch.set_num_threads(threads or os.cpu_count())
     try:
@@ -145,13 +168,14 @@ def run_speed(device, models=tuple(workloads), opts=tuple(optimizers), rounds:in
         for m in models:
             w = workloads[m]
             t0 = time.perf_counter()
-            ms,spreads,failed,load = time_workload(w, list(opts), dtypes, device, rounds)
+            ms,spreads,failed,load,faults = time_workload(w, list(opts), dtypes, device, rounds)
             rows.append(dict(key=m, model=w.name, params_M=n_params(w.make_model()) / 1e6, bs=w.bs, steps=w.steps, skip=w.skip,
-                             ms=ms, spread=spreads, failed=failed, load=load,
+                             ms=ms, spread=spreads, failed=failed, load=load, faults=faults,
                              secs=time.perf_counter() - t0))
         return dict(device=torch.cuda.get_device_name(device) if device.type == 'cuda' else f'CPU: {cpu_name()}',
                     threads=torch.get_num_threads(), native=sorted(_dtype_name(d) for d in native_16bit_dtypes(device)),
-                    dtypes=[_dtype_name(d) for d in dtypes], opts=list(opts), rounds=rounds, rows=rows, secs=time.perf_counter() - start)
+                    dtypes=[_dtype_name(d) for d in dtypes], opts=list(opts), rounds=rounds, rows=rows, heap_kept=kept,
+                    secs=time.perf_counter() - start)
     finally: torch.set_num_threads(before)
 
 # ---- the tables
@@ -172,11 +196,12 @@ def speed_section(r:dict) -> str:
                 mixed = v['to_mixed'][0]
                 keys = [(o, c, None if c == 'FP32' else dt) for c in cfgs]
                 worst = max((row['spread'][k] for k in keys if k in row['spread']), default=float('nan'))
+                flt = max((row.get('faults', {}).get(k, float('nan')) for k in keys), default=float('nan'))
                 body.append([f"{row['model']} ({row['params_M']:.3g}M, bs {row['bs']})", names[o], dt,
                              f"**{ratio(mixed, v['FP32'][0])}**", f"**{ratio(mixed, v['autocast'][0])}**", f"**{ratio(mixed, v['pure 16-bit'][0])}**"]
-                            + [v[c][1] for c in cfgs] + ['-' if worst != worst else f'{worst:.2f}'])
+                            + [v[c][1] for c in cfgs] + ['-' if worst != worst else f'{worst:.2f}', '-' if flt != flt else f'{flt:.0f}'])
     cols = (['model', 'optimizer', 'dtype', 'to_mixed / FP32', 'to_mixed / autocast', 'to_mixed / pure 16-bit'] + [f'{c} ms (context)' for c in cfgs]
-            + ['spread (largest q3/q1)'])
+            + ['spread (largest q3/q1)', 'page faults per batch (largest)'])
     opt_rows = []
     if set(r['opts']) >= {'adam', 'fused'}:
         for row in r['rows']:
@@ -201,7 +226,15 @@ def speed_section(r:dict) -> str:
             "the Learner's default `opt_func`; fused AdamW = `partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))`. "
             "A ratio below 1.00x: to_mixed is faster. Spread: the upper quartile of a config's batch times over its lower "
             'quartile, the largest of the row: near 1.0 the ratios can be trusted; well above it, other work took the cores '
-            'during part of the run.\n\n' + md_table(cols, body)
+            'during part of the run. '
+            + ("Memory: glibc's malloc kept freed memory in the process (`--heap kept`: `mallopt`, the heap's top never "
+               "trimmed, no large block mapped on its own), as jemalloc and tcmalloc do. " if r.get('heap_kept') else
+               "Memory: the allocator as it comes (glibc's defaults on Linux): where the gradients a step frees go back to the "
+               "system, the next backward faults them in again, page by page (FP32, autocast and to_mixed alike; pure 16-bit's "
+               "smaller blocks stay), and in a run that interleaves them which learner pays depends on which ran before it; "
+               "`--heap kept` measures with freed memory kept. ")
+            + 'Page faults: the minor page faults of a whole fit over its batches, the median over fits, the largest of the row.\n\n'
+            + md_table(cols, body)
             + ('\n\n#### The optimizer under to_mixed: fastai Adam against fused AdamW\n\n'
                + md_table(['model', 'dtype', 'to_mixed: fastai Adam / fused AdamW', 'FP32: fastai Adam / fused AdamW',
                            'to_mixed fastai Adam ms (context)', 'to_mixed fused AdamW ms (context)'], opt_rows) if opt_rows else ''))
@@ -213,11 +246,13 @@ def main():
     ap.add_argument('--opts', default=','.join(optimizers), help=f"comma-separated, of: {', '.join(optimizers)}")
     ap.add_argument('--rounds', type=int, default=5, help='fits of each learner (default 5)')
     ap.add_argument('--threads', type=int, default=None, help='torch threads on a CPU (default: all cores)')
+    ap.add_argument('--heap', choices=('glibc', 'kept'), default='glibc',
+                    help="on a CPU with glibc: 'glibc' (default) measures with its defaults, 'kept' keeps freed memory in the process")
     args = ap.parse_args()
     pick = lambda s, known: [k for k in s.split(',') if k] if all(k in known for k in s.split(',') if k) else ap.error(
         f"unknown in {s!r}; known: {', '.join(known)}")
     device = args.device or ('cuda' if torch.cuda.is_available() else 'cpu')
-    r = run_speed(device, pick(args.models, workloads), pick(args.opts, optimizers), args.rounds, args.threads)
+    r = run_speed(device, pick(args.models, workloads), pick(args.opts, optimizers), args.rounds, args.threads, args.heap)
     print(speed_section(r))
     print(f"\n({r['secs']:.0f} s: " + ', '.join(f"{row['model']} {row['secs']:.0f} s" for row in r['rows']) + ')')
 
