@@ -196,12 +196,12 @@ def speed_section(r:dict) -> str:
                 mixed = v['to_mixed'][0]
                 keys = [(o, c, None if c == 'FP32' else dt) for c in cfgs]
                 worst = max((row['spread'][k] for k in keys if k in row['spread']), default=float('nan'))
-                flt = max((row.get('faults', {}).get(k, float('nan')) for k in keys), default=float('nan'))
+                flt = ' / '.join('-' if k not in row.get('faults', {}) else f"{row['faults'][k]:.0f}" for k in keys)
                 body.append([f"{row['model']} ({row['params_M']:.3g}M, bs {row['bs']})", names[o], dt,
                              f"**{ratio(mixed, v['FP32'][0])}**", f"**{ratio(mixed, v['autocast'][0])}**", f"**{ratio(mixed, v['pure 16-bit'][0])}**"]
-                            + [v[c][1] for c in cfgs] + ['-' if worst != worst else f'{worst:.2f}', '-' if flt != flt else f'{flt:.0f}'])
+                            + [v[c][1] for c in cfgs] + ['-' if worst != worst else f'{worst:.2f}', flt])
     cols = (['model', 'optimizer', 'dtype', 'to_mixed / FP32', 'to_mixed / autocast', 'to_mixed / pure 16-bit'] + [f'{c} ms (context)' for c in cfgs]
-            + ['spread (largest q3/q1)', 'page faults per batch (largest)'])
+            + ['spread (largest q3/q1)', 'page faults per batch (' + ' / '.join(cfgs) + ')'])
     opt_rows = []
     if set(r['opts']) >= {'adam', 'fused'}:
         for row in r['rows']:
@@ -233,7 +233,8 @@ def speed_section(r:dict) -> str:
                "system, the next backward faults them in again, page by page (FP32, autocast and to_mixed alike; pure 16-bit's "
                "smaller blocks stay), and in a run that interleaves them which learner pays depends on which ran before it; "
                "`--heap kept` measures with freed memory kept. ")
-            + 'Page faults: the minor page faults of a whole fit over its batches, the median over fits, the largest of the row.\n\n'
+            + "Page faults: a fit's minor page faults over its batches, the median over fits, for each config in the order of the "
+              "time columns.\n\n"
             + md_table(cols, body)
             + ('\n\n#### The optimizer under to_mixed: fastai Adam against fused AdamW\n\n'
                + md_table(['model', 'dtype', 'to_mixed: fastai Adam / fused AdamW', 'FP32: fastai Adam / fused AdamW',
