@@ -122,3 +122,27 @@ def test_a_forward_after_one_that_raised_runs_as_any_other():
         assert {p.dtype for p in model.parameters()} == {torch.float32} and hook_ids(model) == hooks
     finally: mc.restore()
     assert hook_ids(model) == hooks and global_hooks() == before
+
+class OwnLinear(nn.Linear):
+    "A Linear of the user's own type: a module that acts (it keeps its hooks inside a forward)"
+
+class WithReplica(nn.Module):
+    "Calls a replica of its own layer as `nn.DataParallel` makes them: a shallow copy sharing the layer's hook dictionaries"
+    def __init__(self):
+        super().__init__()
+        self.fc,self.head = OwnLinear(4, 4),nn.Linear(4, 2)
+        r = self.fc._replicate_for_data_parallel()
+        r._parameters = {'weight': self.fc.weight, 'bias': self.fc.bias} # (what `replicate` gives it: the tensors, not the slots)
+        self.replicas = [r] # (not a submodule)
+    def forward(self, x): return self.head(self.replicas[0](self.fc(x)))
+
+def test_a_replica_sharing_a_layers_hooks_is_not_cast_as_the_layer():
+    "The hooks a forward puts on a layer also sit in its replica's dictionaries: they leave the replica alone, as the global hooks did"
+    model = WithReplica()
+    assert model.replicas[0]._forward_pre_hooks is model.fc._forward_pre_hooks
+    hooks = hook_ids(model)
+    mc = cast_model(model, torch.bfloat16)
+    mc.begin()
+    try: out = model(torch.randn(3, 4))
+    finally: mc.restore()
+    assert out.dtype == torch.bfloat16 and hook_ids(model) == hooks and not model.replicas[0]._forward_pre_hooks
