@@ -196,7 +196,7 @@ def speed_section(r:dict) -> str:
                 mixed = v['to_mixed'][0]
                 keys = [(o, c, None if c == 'FP32' else dt) for c in cfgs]
                 worst = max((row['spread'][k] for k in keys if k in row['spread']), default=float('nan'))
-                flt = ' / '.join('-' if k not in row.get('faults', {}) else f"{row['faults'][k]:.0f}" for k in keys)
+                flt = ' / '.join(f"{row['faults'][k]:.0f}" if k in row['faults'] else '-' for k in keys)
                 body.append([f"{row['model']} ({row['params_M']:.3g}M, bs {row['bs']})", names[o], dt,
                              f"**{ratio(mixed, v['FP32'][0])}**", f"**{ratio(mixed, v['autocast'][0])}**", f"**{ratio(mixed, v['pure 16-bit'][0])}**"]
                             + [v[c][1] for c in cfgs] + ['-' if worst != worst else f'{worst:.2f}', flt])
@@ -228,7 +228,7 @@ def speed_section(r:dict) -> str:
             'quartile, the largest of the row: near 1.0 the ratios can be trusted; well above it, other work took the cores '
             'during part of the run. '
             + ("Memory: glibc's malloc kept freed memory in the process (`--heap kept`: `mallopt`, the heap's top never "
-               "trimmed, no large block mapped on its own), as jemalloc and tcmalloc do. " if r.get('heap_kept') else
+               "trimmed, no large block mapped on its own), as jemalloc and tcmalloc do. " if r['heap_kept'] else
                "Memory: the allocator as it comes (glibc's defaults on Linux): where the gradients a step frees go back to the "
                "system, the next backward faults them in again, page by page (FP32, autocast and to_mixed alike; pure 16-bit's "
                "smaller blocks stay), and in a run that interleaves them which learner pays depends on which ran before it; "
