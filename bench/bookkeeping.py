@@ -40,13 +40,16 @@ def bookkeeping_fns(model:nn.Module, dtype=torch.float16, device='cpu', loss_sca
         masters.skip() # (frees the gradients, as the step does)
         return res
     # The copy-back's place is taken by the cast the next forward makes: every master cast to 16 bits once per step
-    # (`ModelCast._cast_all`, one autograd node for the small masters and one per large one, and the swap into the model's slots, both ways).
+    # (`ModelCast._cast_all`, one autograd node for the small masters and one per large one, and the swap into the model's slots, both ways;
+    # the large weights of torch's Linear and convolutions that autocast casts in their ops instead, one `.to` each as it does).
     cast = cast_model(copy.deepcopy(model), dtype)
     cast.begin()
     def ours_copy_back():
         cast.drop_casts()
         cast._put(cast._cast_all())
+        in_ops = [cast.masters[i].to(dtype) for i in cast.in_op] if cast._casts[3] else []
         cast._put(cast.masters)
+        return in_ops
 
     # fastai: what `NonNativeMixedPrecision.before_step` and `after_step` run (dynamic scaling, no clipping).
     fa16,fa32 = [_16bit_params_with_grads(model, dtype)],[_fp32_masters(model)]
