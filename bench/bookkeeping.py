@@ -41,7 +41,7 @@ def bookkeeping_fns(model:nn.Module, dtype=torch.float16, device='cpu', loss_sca
         return res
     # The copy-back's place is taken by the cast the next forward makes: every master cast to 16 bits once per step
     # (`ModelCast._cast_all`, one autograd node for the small masters and one per large one, and the swap into the model's slots, both ways;
-    # the large weights of torch's Linear and convolutions that autocast casts in their ops instead, one `.to` each as it does).
+    # the large weights of torch's `nn.Linear` that autocast casts in their ops instead, one `.to` each as it does).
     cast = cast_model(copy.deepcopy(model), dtype)
     cast.begin()
     def ours_copy_back():
