@@ -5,7 +5,7 @@ warnings.filterwarnings('ignore', category=FutureWarning, message='.*torch.jit.s
 from datetime import datetime, timezone
 from pathlib import Path
 import torch, fastai
-from .common import md_table, as_ratio, as_bpp, cpu_name
+from .common import md_table, as_ratio, as_bpp, cpu_name, adam_optimizers
 from .bookkeeping import run_bookkeeping, bookkeeping_section
 from .step import run_whole_step, run_bookkeeping_bound_fit, whole_step_section
 from .memory import run_memory, memory_section
@@ -44,6 +44,42 @@ def targets(book:list, step:list, bound:dict, syncs:list, doctor:list|None=None)
            all(r['ratio'] <= 3 for r in doctor)),
           ('precision report: no host sync per module', ', '.join(f"{r['syncs']} syncs for {r['modules']} modules ({r['dtype']})" for r in doctor),
            all(r['syncs'] <= 2 for r in doctor))] if doctor else [])
+
+def whole_step_targets(speed:dict, peaks:list, opt_syncs:list) -> list:
+    "(target, measured, met) for section 8's whole steps, on the 16-bit types the device computes natively (none: not measured)"
+    native = [d for d in speed['dtypes'] if d in speed['native']]
+    names = {k:n for k,(n,_) in adam_optimizers.items()}
+    def ms(row, o, config, dt): return row['ms'].get((o, config, None if config == 'FP32' else dt))
+    def ratios(a, b, rows, opts): # [(a / b, what)] for every row, optimizer and native type where both ran
+        return [(ms(row, o, a, dt) / ms(row, o, b, dt), f"{row['model']}, {names[o]}, {dt}")
+                for row in rows for o in opts for dt in native if ms(row, o, a, dt) and ms(row, o, b, dt)]
+    over = lambda rs, limit: [(x, w) for x,w in rs if round(x, 2) > limit]
+    def measured(rs, limit):
+        if not rs: return 'not measured: no native 16-bit type' if not native else '-'
+        worse = over(rs, limit)
+        shown = worse or [max(rs)]
+        return (f"{len(worse)} of {len(rs)} above: " if worse else f"all {len(rs)}, the highest: ") + ', '.join(f"{as_ratio(x)} ({w})" for x,w in shown)
+    met = lambda rs, limit: None if not rs else not over(rs, limit)
+    vs_ac = ratios('to_mixed', 'autocast', speed['rows'], speed['opts'])
+    mlp = [row for row in speed['rows'] if row['key'] == 'mlp']
+    vs_pure = ratios('to_mixed', 'pure 16-bit', mlp, [o for o in speed['opts'] if o == 'fused'])
+    adam_vs_fused = [(ms(row, 'adam', 'to_mixed', dt) / ms(row, 'fused', 'to_mixed', dt), f"{row['model']}, {dt}") for row in mlp
+                     for dt in native if set(speed['opts']) >= {'adam', 'fused'} and ms(row, 'adam', 'to_mixed', dt) and ms(row, 'fused', 'to_mixed', dt)]
+    fused = [r for r in opt_syncs if r['opt'] == names['fused'] and r['config'].startswith('to_mixed')]
+    by = {(r['model'], r['config'], r['dtype']):r for r in peaks}
+    peak = [(by[(m, c, dt)]['peak_MiB'] / by[(m, 'FP32', '-')]['peak_MiB'], by[(m, c, dt)]['peak_MiB'] / by[(m, 'autocast', dt)]['peak_MiB'],
+             f"{by[(m, c, dt)]['name']}, {dt}") for m,c,dt in by if c == 'to_mixed']
+    return [
+        ('whole step: to_mixed no slower than autocast (every model and optimizer)', measured(vs_ac, 1.0), met(vs_ac, 1.0)),
+        ('whole step, wide MLP with fused AdamW: to_mixed <= 1.1x pure 16-bit', measured(vs_pure, 1.1), met(vs_pure, 1.1)),
+        ("whole step, wide MLP: to_mixed with fastai's Adam <= 1.5x with fused AdamW", measured(adam_vs_fused, 1.5), met(adam_vs_fused, 1.5)),
+        ('host syncs to_mixed adds per step with fused AdamW: 0',
+         ', '.join(f"{r['extra_per_step']:.2f} ({r['model']}, {r['config'].split()[1]})" for r in fused) or '-',
+         all(r['extra'] == 0 for r in fused) if fused else None),
+        ('step peak: to_mixed below FP32 and autocast',
+         ', '.join(f"{as_ratio(f)} FP32, {as_ratio(a)} autocast ({w})" for f,a,w in peak) or '-',
+         all(f < 1 and a < 1 for f,a,_ in peak) if peak else None),
+    ]
 
 def headline(book:list, step:list, bound:dict, syncs:list, mem:list) -> str:
     r18,many = book
@@ -102,10 +138,13 @@ def main():
     doctor = run_doctor(device, rounds=3 if args.quick else 7)
     emit(doctor_section(doctor))
     # Section 8 runs as a user would, on every core (it says how many); the sections above keep one thread
-    emit(speed_section(run_speed(device, rounds=1 if args.quick else 5)))
-    emit(step_peak_section(run_step_peak(device)))
-    emit(optimizer_syncs_section(run_optimizer_syncs(device)))
-    tgt = targets(book, step, bound, syncs, doctor)
+    speed = run_speed(device, rounds=1 if args.quick else 5)
+    emit(speed_section(speed))
+    peaks = run_step_peak(device)
+    emit(step_peak_section(peaks))
+    opt_syncs = run_optimizer_syncs(device)
+    emit(optimizer_syncs_section(opt_syncs))
+    tgt = targets(book, step, bound, syncs, doctor) + whole_step_targets(speed, peaks, opt_syncs)
     emit('### Performance targets\n\n' + md_table(['target', 'measured', 'met'], [[t, m, '-' if ok is None else 'yes' if ok else '**no**'] for t,m,ok in tgt]))
     pngs = [plots.plot_bookkeeping(book, results_dir), plots.plot_whole_step(step, bound, results_dir),
             plots.plot_memory(mem, results_dir), plots.plot_syncs(syncs, results_dir)]

@@ -29,3 +29,22 @@ def test_bookkeeping_section_runs():
     rows = run_bookkeeping(torch.device('cpu'), warmup=1, repeats=1)
     assert len(rows) == 2 and all(ms > 0 for r in rows for ms in r['ms'].values())
     assert '| ours copy-back |' in bookkeeping_section(rows)
+
+def test_whole_step_targets_name_every_row_over_its_limit():
+    "The results' targets table judges section 8 on the native types: a row above autocast is named and fails the target, an emulated type is not judged"
+    from bench.run import whole_step_targets
+    def row(key, ms): return dict(key=key, model=key, ms=ms)
+    mlp = {('fused', 'to_mixed', 'bfloat16'): 103., ('fused', 'autocast', 'bfloat16'): 100., ('fused', 'pure 16-bit', 'bfloat16'): 90.,
+           ('adam', 'to_mixed', 'bfloat16'): 101., ('adam', 'autocast', 'bfloat16'): 130.,
+           ('fused', 'to_mixed', 'float16'): 500., ('fused', 'autocast', 'float16'): 100.} # (float16 emulated: not judged)
+    tiny = {('fused', 'to_mixed', 'bfloat16'): 10., ('fused', 'autocast', 'bfloat16'): 10.04}
+    speed = dict(dtypes=['bfloat16', 'float16'], native=['bfloat16'], opts=['adam', 'fused'], rows=[row('mlp', mlp), row('tiny', tiny)])
+    peak = lambda c, dt, mib: dict(model='resnet', name='ResNet-18', config=c, dtype=dt, peak_MiB=mib)
+    peaks = [peak('FP32', '-', 445.), peak('to_mixed', 'bfloat16', 318.), peak('autocast', 'bfloat16', 354.)]
+    syncs = [dict(model='digits CNN', opt='fused AdamW', config='to_mixed bfloat16', extra=0, extra_per_step=0.)]
+    vs_ac,vs_pure,adam,sync,mem = whole_step_targets(speed, peaks, syncs)
+    assert vs_ac[2] is False and vs_ac[1].startswith('1 of 3 above') and 'mlp, fused AdamW, bfloat16' in vs_ac[1], vs_ac
+    assert vs_pure[2] is False and '1.14x' in vs_pure[1], vs_pure
+    assert adam[2] is True and sync[2] is True and mem[2] is True
+    speed['native'] = []
+    assert all(t[2] is None for t in whole_step_targets(speed, [], [])) # (nothing measured: nothing judged)
