@@ -362,7 +362,7 @@ class ModelCast:
         self._casts = None
 
     def _cast_all(self) -> list: # One cast per master
-        "The masters' casts: made for all at once, as one autograd node, and reused while no master changed"
+        "The masters' casts (a master autocast casts in its op: itself), made for all at once and reused while no master changed"
         versions,graph = [p._version for p in self.masters],torch.is_grad_enabled()
         # (without a graph, `in_op`'s are cast with the others: one cast serves a whole validation pass, where autocast's
         # would be made again at every batch)
@@ -502,7 +502,7 @@ class ModelCast:
 
     def _can_go_local(self) -> bool:
         "Whether an outermost call now runs on the hooks of `acting`: not with another model cast, whose modules the global hooks serve, nor for a compiled model"
-        return len(_casts) == 1 and bool(_global_hooks) and not self.compiled and not torch.compiler.is_compiling()
+        return len(_registered) == 1 and bool(_global_hooks) and not self.compiled and not torch.compiler.is_compiling()
 
     def _go_global(self) -> None:
         "The outermost call is over: torch's global hooks back, the hooks of `_go_local` removed (idempotent)"
@@ -555,7 +555,7 @@ class ModelCast:
         taken = [m for m in self.modules if id(m) in _by_module]
         if taken: raise ValueError(f"A module of this model ({type(taken[0]).__name__}) is already cast for another fit: one "
                                    "module can train in one mixed-precision fit at a time.")
-        _casts.add(id(self))
+        _registered.add(id(self))
         if not _global_hooks: _global_hooks.extend([register_module_forward_pre_hook(_pre_hook),
                                                     register_module_forward_hook(_post_hook, always_call=True)])
         # The hooks act at a module that has a role, or parameters in it: a call of any other (an activation, a pooling)
@@ -570,7 +570,7 @@ class ModelCast:
     def _unregister(self) -> None:
         self._go_global()
         self._drop_stale()
-        _casts.discard(id(self))
+        _registered.discard(id(self))
         for m in self.modules:
             if _global_hooks: m._forward_pre_hooks_with_kwargs.pop(_global_hooks[0].id, None)
             if _by_module.get(id(m)) is self: del _by_module[id(m)]
@@ -645,7 +645,7 @@ def _note_dtype_clash(e) -> None:
 # %% ../nbs/00_cast.ipynb #df5368a5
 _by_module = {} # id(module) -> the `ModelCast` of the model that holds it, while cast
 _global_hooks = [] # handles of the two global hooks, while `_by_module` is not empty
-_casts = set() # id of each registered `ModelCast`
+_registered = set() # id of each registered `ModelCast` (not `ModelCast._casts`, one model's cache of casts)
 
 def _pre_hook(m, args, kwargs=None):
     mc = _by_module.get(id(m))
