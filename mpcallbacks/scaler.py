@@ -49,14 +49,20 @@ class InFlightFlag:
         loss:Tensor|None=None, # The step's loss, carried with the flag (to say whether a skipped step's loss was itself non-finite)
     ):
         self.values = self.pack(flag, loss) # (what travels)
-        self.flag,self.host,self.event = self.values[0],None,None
-        if self.flag.device.type == 'cpu': self.host = self.values
-        else:
-            try:
-                self.host = torch.empty(self.values.shape, dtype=torch.float32, pin_memory=True).copy_(self.values, non_blocking=True)
+        self.flag,self.event = self.values[0],None
+        try:
+            self.host = self._host_copy(self.values)
+            if self.flag.device.type != 'cpu': # (a CPU's copy, if any, is done when `copy_` returns)
                 self.event = torch.Event(self.flag.device)
                 self.event.record(torch.accelerator.current_stream(self.flag.device)) # (the copy's stream: the flag's device's, whichever device is current)
-            except (RuntimeError, TypeError, ValueError, AttributeError): self.host = self.event = None # (no pinned memory or events here: read by `settle`, with a wait)
+        except (RuntimeError, TypeError, ValueError, AttributeError): self.host = self.event = None # (no pinned memory or events here: read by `settle`, with a wait)
+
+    def _host_copy(self,
+        values:Tensor, # What travels, on the flag's device
+    ) -> Tensor: # Host memory that holds `values` once the copy has landed
+        "A CPU's values are host memory already; another device's are copied into pinned memory without blocking"
+        if values.device.type == 'cpu': return values
+        return torch.empty(values.shape, dtype=torch.float32, pin_memory=True).copy_(values, non_blocking=True)
 
     @staticmethod
     def pack(
@@ -277,7 +283,9 @@ class LossScaler:
         "`_record`'s dynamic rule on the device, for a flag not read yet: the next step's scale with no host sync"
         if self.dynamic:
             if self._on_device is None:
-                self._on_device = torch.tensor([self.scale, self.growth_tracker], dtype=torch.float64, device=flag.flag.device)
+                # (each filled on the device: a tensor from Python data would be a blocking copy from pageable host memory)
+                self._on_device = torch.stack([torch.full((), float(v), dtype=torch.float64, device=flag.flag.device)
+                                               for v in (self.scale, self.growth_tracker)])
             scale,tracker = self._on_device.unbind()
             found,count = flag.flag.to(torch.float64) != 0,tracker + 1
             # In float64, rounded to float32 as `_f32` rounds: the host's replay of the same flags lands on the same scale

@@ -8,16 +8,15 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/test_utils.html.md"""
 from __future__ import annotations
 from collections import Counter
 from contextlib import contextmanager
-from functools import wraps
 import torch
 from torch import nn
 from fastai.basics import Learner, Callback, DataLoaders, CrossEntropyLossFlat, accuracy, set_seed, noop
 from .callback import MasterMixedPrecision
 from .scaler import LossScaler, InFlightFlag
+from .cuda_rules import count_syncs, device_flags
 
 # %% auto #0
-__all__ = ['sync_methods', 'synth_dls', 'synth_model', 'synth_learner', 'opt_params', 'InjectNonFinite', 'count_syncs',
-           'lagging_flags']
+__all__ = ['synth_dls', 'synth_model', 'synth_learner', 'opt_params', 'InjectNonFinite', 'lagging_flags', 'count_syncs']
 
 # %% ../nbs/97_test_utils.ipynb #cc33f475
 def synth_dls(
@@ -71,26 +70,7 @@ class InjectNonFinite(Callback):
         self.step += 1
 
 # %% ../nbs/97_test_utils.ipynb #8c9e5384
-sync_methods = ('item', '__bool__', '__float__', '__int__', 'tolist') # each copies a device value to the host
-
-@contextmanager
-def count_syncs():
-    "Count calls of `sync_methods` on any tensor while inside; yields a `Counter` by method name"
-    counts = Counter()
-    # Tensor inherits these from the C base class; assigning them on `torch.Tensor` (a Python class) shadows them.
-    originals = {n:torch.Tensor.__dict__.get(n) for n in sync_methods}
-    def counted(name, f):
-        @wraps(f)
-        def _inner(self, *args, **kwargs):
-            counts[name] += 1
-            return f(self, *args, **kwargs)
-        return _inner
-    for n in sync_methods: setattr(torch.Tensor, n, counted(n, getattr(torch.Tensor, n)))
-    try: yield counts
-    finally:
-        for n,f in originals.items():
-            if f is None: delattr(torch.Tensor, n)
-            else: setattr(torch.Tensor, n, f)
+_all_ = ['count_syncs']
 
 # %% ../nbs/97_test_utils.ipynb #7d5550a1
 @contextmanager
@@ -99,17 +79,8 @@ def lagging_flags(
     on=LossScaler, # The scaler, or the class of scalers, whose flags lag
 ):
     "While inside, the flag tensors `on` is given land on the host `lag` steps late, as from a device that far behind the host"
-    made = [] # every flag made while inside, oldest first
-    class Lagging(InFlightFlag):
-        def __init__(self, flag, loss=None):
-            super().__init__(flag, loss)
-            self.at = len(made)
-            made.append(self)
-        def landed(self) -> bool: return len(made) - self.at > lag
-        @classmethod
-        def read_now(cls, flag): return super().read_now(flag) if lag == 0 else None # (a late flag is not on the host yet)
     had = 'flag_type' in vars(on)
-    before,on.flag_type = vars(on).get('flag_type'),Lagging
+    before,on.flag_type = vars(on).get('flag_type'),device_flags(lag)
     try: yield
     finally:
         if had: on.flag_type = before

@@ -1,6 +1,7 @@
 import warnings
 import pytest, torch
 import mpcallbacks.all # noqa: F401 (`Learner.to_mixed` and the checkpoint methods, for every test)
+from mpcallbacks.cuda_rules import like_cuda
 from mpcallbacks.test_utils import synth_dls, synth_model, synth_learner, opt_params, InjectNonFinite # noqa: F401 (the tests' helpers)
 
 warnings.filterwarnings('ignore', message='float16 math is emulated')
@@ -14,3 +15,14 @@ def pytest_collection_modifyitems(items):
     for item in items:
         reason = known_defects.get(f'{item.path.name}::{item.name}')
         if reason: item.add_marker(pytest.mark.xfail(strict=True, reason=reason))
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', "cpu_rules(*rules): run the test without these of CUDA's rules (`like_cuda`'s names; none "
+                            "given: without any), where it checks what a CPU itself does")
+
+@pytest.fixture(autouse=True)
+def cuda_rules(request):
+    "Every test runs with the CPU behaving as CUDA does where the two differ (`mpcallbacks.cuda_rules.like_cuda`)"
+    marker = request.node.get_closest_marker('cpu_rules')
+    off = set(marker.args) if marker and marker.args else {'kernels', 'memory', 'flatten', 'flags'} if marker else set()
+    with like_cuda({'kernels', 'memory', 'flatten', 'flags'} - off): yield
