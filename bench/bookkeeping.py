@@ -4,7 +4,7 @@ import torch, torchvision
 from torch import nn
 from fastai.callback.fp16 import to_master_grads, grad_overflow, to_model_params
 import copy
-from mpcallbacks.cast import cast_model
+from mpcallbacks.policy import cast_summary
 from mpcallbacks.master import MasterParams
 from mpcallbacks.scaler import LossScaler
 from .common import md_table, as_ratio, time_side_by_side, median_ms, linear_norm_stack, n_tensors, n_params
@@ -39,17 +39,12 @@ def bookkeeping_fns(model:nn.Module, dtype=torch.float16, device='cpu', loss_sca
         res = masters.found_inf.item() # the callback's one host sync per step
         masters.skip() # (frees the gradients, as the step does)
         return res
-    # The copy-back's place is taken by the cast the next forward makes: every master cast to 16 bits once per step
-    # (`ModelCast._cast_all`, one autograd node for the small masters and one per large one, and the swap into the model's slots, both ways;
-    # the large weights of torch's `nn.Linear` that autocast casts in their ops instead, one `.to` each as it does).
-    cast = cast_model(copy.deepcopy(model), dtype)
-    cast.begin()
-    def ours_copy_back():
-        cast.drop_casts()
-        cast._put(cast._cast_all())
-        in_ops = [cast.masters[i].to(dtype) for i in cast.in_op] if cast._casts[3] else []
-        cast._put(cast.masters)
-        return in_ops
+    # The copy-back's place is taken by the casts the next forward makes: autocast casts each weight its 16-bit ops read,
+    # once per forward (its cache), in the op: one `.to` per weight of the layers it casts (`cast_summary`'s 16-bit rows).
+    rows = cast_summary(model, dtype)
+    cast_mods = set(rows.module[rows.forward == str(dtype).split('.')[1]])
+    autocast_weights = [p for n,m in model.named_modules() if n in cast_mods for p in m.parameters(recurse=False)]
+    def ours_copy_back(): return [p.to(dtype) for p in autocast_weights]
 
     # fastai: what `NonNativeMixedPrecision.before_step` and `after_step` run (dynamic scaling, no clipping).
     fa16,fa32 = [_16bit_params_with_grads(model, dtype)],[_fp32_masters(model)]
@@ -112,8 +107,8 @@ def bookkeeping_section(rows:list) -> str:
              ['ours copy-back / copy_ 16->32'] + [as_ratio(r['back_vs_copy16']) for r in rows]]
     return ('### 1. Bookkeeping per optimizer step (float16 parameters)\n\n'
             'ours grad path = `MasterParams.after_backward()` (`LossScaler.unscale_()` on the FP32 gradients autograd wrote into '
-            'the masters, the model\'s own parameters) + one `.item()`; ours copy-back = the cast the next forward makes in its '
-            'place: every master cast to 16 bits (`ModelCast`) and put into the model\'s slots, and the masters put back. '
+            'the masters, the model\'s own parameters) + one `.item()`; ours copy-back = the casts the next forward makes in its '
+            'place: autocast\'s cast of each weight its 16-bit ops read, once per forward (the masters stay in the model\'s slots). '
             'fastai grad path = `grad_overflow` + `to_master_grads` + per-parameter `div_` (as `NonNativeMixedPrecision.before_step`); '
             'fastai copy-back = `to_model_params`. copy_ = one flat tensor of the same number of values. '
             'The `ref:` rows are variants of our grad path, for where its time goes.\n\n' + md_table(cols, body))

@@ -7,7 +7,7 @@ from fastai.basics import Learner, Callback, CancelTrainException, CrossEntropyL
 import fastai.callback.fp16 # to_fp16, to_bf16
 from mpcallbacks.all import * # Learner.to_mixed
 import copy
-from mpcallbacks.cast import always_fp32
+from mpcallbacks.policy import always_fp32
 from mpcallbacks.digits import digits_dls, digits_cnn
 from .common import (md_table, as_ratio, sync, quiet, batch_timer, median_ms, digits_mlp, linear_norm_stack, synthetic_dls,
                      to_non_native_fp16_any_device)

@@ -1,3 +1,4 @@
+from .policy import *
 from .cast import *
 from .scaler import *
 from .master import *

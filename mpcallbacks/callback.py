@@ -8,7 +8,8 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/callback.html.md"""
 from __future__ import annotations
 import copy, sys
 from fastai.basics import *
-from .cast import always_fp32, as_16bit_dtype, cast_floats, warn_if_slow, native_16bit_dtypes
+from .policy import always_fp32
+from .cast import as_16bit_dtype, cast_floats, native_16bit_dtypes, warn_if_slow
 from .scaler import LossScaler, NonFiniteGradients # (the error a storm of skipped steps raises, importable from here too)
 from .mixed_fit import MixedFit, FitPhase, SkippedStepsWarning # (and the warning of a fit that skipped steps)
 
@@ -147,11 +148,12 @@ class MasterMixedPrecision(Callback):
         return self.mixed_fit.running_fit()
 
     def before_batch(self):
-        "A training batch's forwards cast"
-        if self.training: self.mixed_fit.begin_batch()
+        "The batch's forward runs in 16 bits: its region opens"
+        self.mixed_fit.begin_batch()
 
     def after_pred(self):
-        "Hand FP32 predictions to the loss function"
+        "The forward is over: its region closes, and the loss function gets FP32 predictions"
+        self.mixed_fit.end_forward()
         self.learn.pred = cast_floats(self.pred, torch.float32) # namedtuples and `ModelOutput`s kept
 
     def after_loss(self):
@@ -172,7 +174,7 @@ class MasterMixedPrecision(Callback):
         self.mixed_fit.step_or_skip()
 
     def after_step(self):
-        "After a step the optimizer took: count it for the scale's growth, free the gradients and the casts"
+        "After a step the optimizer took: count it for the scale's growth, free the gradients"
         self.mixed_fit.update()
 
     def after_cancel_step(self):
@@ -180,23 +182,23 @@ class MasterMixedPrecision(Callback):
         self.mixed_fit.cancel_step()
 
     def after_batch(self):
-        "Casting off: forwards from here to the next batch run in FP32 (a callback of lower order got 16 bits at its `after_batch`)"
-        if self.training: self.mixed_fit.end_batch()
+        "The batch is over: its region is closed, also where the batch was cut short"
+        self.mixed_fit.end_batch()
 
     def after_train(self):
-        "Casting off, also after a training phase cancelled part way"
-        self.mixed_fit.end_batch()
+        "Every batch region closed, also after a training phase cancelled part way"
+        self.mixed_fit.end_batches()
 
     def after_epoch(self):
-        "Casting off, also after an epoch cancelled part way"
-        self.mixed_fit.end_batch()
+        "Every batch region closed, also after an epoch cancelled part way"
+        self.mixed_fit.end_batches()
 
     def before_validate(self):
-        "The validation pass casts (in a fit, or for 16-bit inference), each cast once for all its batches"
+        "A validation pass: 16-bit inference registers the model's forward for it"
         self.mixed_fit.begin_validation()
 
     def after_validate(self):
-        "Casting back to what it was before the pass"
+        "The pass's batch regions closed; 16-bit inference lets the model go"
         self.mixed_fit.end_validation()
 
     def plot_loss_scale(self,

@@ -1,4 +1,4 @@
-"""Cast a model's FP32 parameters to 16 bits for its forward only, normalization layers kept in FP32: outside the forward, the parameters are the masters.
+"""A model's forward in 16 bits on its FP32 parameters: `torch.autocast` casts them in the ops it lists, and hooks, registered once for a fit, serve the modules it cannot; outside the forward, and in every slot, the parameters are the FP32 masters.
 
 Docs: https://mpcallbacks.github.io/mpcallbacks/cast.html.md"""
 
@@ -6,47 +6,15 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/cast.html.md"""
 
 # %% ../nbs/00_cast.ipynb #359db27a
 from __future__ import annotations
-from enum import Enum
-from fnmatch import fnmatchcase
+import copy, re, sys, threading, warnings, weakref
 import torch
 from torch import nn, Tensor
-from torch.nn.modules.batchnorm import _NormBase
-from torch.nn.modules.module import register_module_forward_pre_hook, register_module_forward_hook
-from torch.nn.modules import module as torch_module # (its registries of global hooks)
-import copy, glob, operator, re, sys, warnings, weakref
-from functools import partial
-from torch.autograd import Variable
 from torch.nn.utils.rnn import PackedSequence
-from torch.nn.utils import parametrizations
-from torch.nn.utils.parametrize import ParametrizationList
-import importlib
+from .policy import always_fp32, model_policy, check_castable
+from .policy import keeps_fp32, kept_tops, KeptFor, cast_summary, unmatched_names, norm_types, mixed_input_types # (their earlier home)
 
 # %% auto #0
-__all__ = ['always_fp32', 'norms_taking_16bit_input', 'keeps_fp32', 'as_16bit_dtype', 'native_16bit_dtypes', 'warn_if_slow',
-           'kept_tops', 'check_castable', 'unmatched_names', 'KeptFor', 'cast_summary', 'cast_floats', 'CastRole',
-           'kept_role', 'ModelCast', 'cast_model', 'masters_of']
-
-# %% ../nbs/00_cast.ipynb #a02f7f2c
-_SpectralNorm = getattr(parametrizations, '_SpectralNorm', None) # the parametrization (torch's private name)
-_SpectralNormHook = getattr(importlib.import_module('torch.nn.utils.spectral_norm'), 'SpectralNorm', None) # the older hook
-_RMSNorm = getattr(nn, 'RMSNorm', None) # torch >= 2.4
-always_fp32 = (_NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.CrossMapLRN2d) + tuple(t for t in (_RMSNorm, _SpectralNorm) if t) # every normalization layer: statistics and their parameters in FP32
-norms_taking_16bit_input = (_NormBase, nn.LayerNorm, nn.GroupNorm) # FP32 layers whose kernels take 16-bit input and return it
-
-# %% ../nbs/00_cast.ipynb #54cebf4f
-norm_types,mixed_input_types = always_fp32,norms_taking_16bit_input # the earlier names: importable, not star-exported
-
-# %% ../nbs/00_cast.ipynb #2168d506
-def keeps_fp32(
-    name:str, # The module's name in `model.named_modules()`
-    module:nn.Module, # The module itself
-    keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
-) -> bool: # Whether `module` (and so all its children) stays in FP32
-    "Whether `module` is one that stays in FP32 (or computes its weight with the older `spectral_norm` hook)"
-    types = tuple(k for k in keep if isinstance(k, type))
-    names = [k for k in keep if isinstance(k, str)]
-    hooked = _SpectralNormHook is not None and any(isinstance(h, _SpectralNormHook) for h in module._forward_pre_hooks.values())
-    return (bool(types) and isinstance(module, types)) or any(fnmatchcase(name, n) for n in names) or hooked
+__all__ = ['as_16bit_dtype', 'native_16bit_dtypes', 'warn_if_slow', 'cast_floats', 'ModelCast', 'cast_holding', 'cast_model']
 
 # %% ../nbs/00_cast.ipynb #f3845181
 _dtype_names = {'float16': torch.float16, 'fp16': torch.float16, 'half': torch.float16,
@@ -80,14 +48,11 @@ def native_16bit_dtypes(
         bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
         return {torch.float16, torch.bfloat16} if bf16 else {torch.float16}
     if dev.type != 'cpu': return {torch.float16, torch.bfloat16} # other accelerators: no way to tell, no warning
-    # oneDNN, which runs the matmuls and convolutions, picks its own instructions: bfloat16 stays fast on an AMX CPU even
-    # with ATen's kernels dispatched for AVX2 (ATEN_CPU_CAPABILITY=avx2), so the CPU's instructions decide, not the dispatch
-    res = set()
+    res = set() # (oneDNN picks its own instructions: the CPU's decide, not ATen's dispatch)
     if _cpu_has('avx512_bf16') or _cpu_has('amx_tile'): res.add(torch.bfloat16)
     if _cpu_has('amx_fp16'): res.add(torch.float16)
     return res
 
-# %% ../nbs/00_cast.ipynb #c6a2f514
 _warned = set()
 
 def _user_stacklevel() -> int:
@@ -98,7 +63,7 @@ def _user_stacklevel() -> int:
     return level if f is not None else 2
 
 def warn_if_slow(
-    dtype:torch.dtype, # The 16-bit type the model is cast to
+    dtype:torch.dtype, # The 16-bit type of the forward
     device:torch.device, # Where the model's parameters live
 ) -> None:
     "Warn once where `dtype` is emulated on `device`, naming the faster choice"
@@ -112,123 +77,6 @@ def warn_if_slow(
               "FP32 (`learn.to_unmixed()`) is faster here; mixed precision pays off on a GPU, or a CPU with AMX")
     warnings.warn(f"{name} math is emulated on {where} and much slower than FP32: {faster} ({name} still trains correctly).",
                   stacklevel=_user_stacklevel())
-
-# %% ../nbs/00_cast.ipynb #64e61131
-def _is_16bit(t:Tensor) -> bool: return t.dtype in (torch.float16, torch.bfloat16)
-def _qual(*parts): return '.'.join(p for p in parts if p)
-
-def _ancestors(model, name):
-    "`(name, module)` of `name`'s module and each module above it"
-    parts = name.split('.') if name else []
-    return [('.'.join(parts[:i]), model.get_submodule('.'.join(parts[:i]))) for i in range(len(parts)+1)]
-
-def kept_tops(
-    model:nn.Module, # The model
-    keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
-) -> list: # The modules, in `model.modules()` order
-    "The outermost modules that stay in FP32 (everything inside them does too)"
-    return [m for n,m in model.named_modules() if keeps_fp32(n, m, keep)
-            and not any(keeps_fp32(a, am, keep) for a,am in _ancestors(model, n)[:-1])]
-
-def _cast_plan(model, keep) -> tuple:
-    "The kept top modules, and `(qualified name, module, slot name, parameter)` of each parameter slot to cast"
-    tops = kept_tops(model, keep)
-    kept = {id(p) for m in tops for p in m.parameters()}
-    kept_mods = {id(m_) for m in tops for m_ in m.modules()}
-    slots = [(_qual(name, n), m, n, p) for name,m in model.named_modules() if id(m) not in kept_mods
-             for n,p in m._parameters.items() if p is not None and p.is_floating_point() and id(p) not in kept]
-    return tops,slots
-
-# %% ../nbs/00_cast.ipynb #4d456317
-def _checked_plan(model, keep) -> tuple:
-    "`_cast_plan(model, keep)`, once `model` passed every check of `check_castable`"
-    scripted = [n for n,m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
-    if scripted: raise ValueError(f"{f'`{scripted[0]}`' if scripted[0] else 'The model'} is TorchScript (`torch.jit.script` or "
-                                  "`torch.jit.trace`): scripted code runs no Python hooks, so its layers cannot be cast for the "
-                                  "forward. Train the Python model with `to_mixed()` and script it after training "
-                                  "(`torch.jit.script(learn.model)`), or compile it with `torch.compile` (torch 2.14 or newer), which runs them.")
-    # (the mixin, not `UninitializedParameter`: torch 2.4's Parameter metaclass calls any Parameter-wrapped subclass one)
-    lazy = [n for n,p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedTensorMixin)]
-    if lazy: raise ValueError(f"Parameter `{lazy[0]}` is not initialized yet (a lazy module, {len(lazy)} such in all): its "
-                              "size is known only after a first forward. Run one batch through the model before "
-                              "`to_mixed()`, e.g. `learn.model(*learn.dls.one_batch()[:learn.dls.n_inp])`.")
-    odd = [(n,p.dtype) for n,p in model.named_parameters() if p.is_complex() or (p.is_floating_point() and p.dtype == torch.float64)]
-    if odd: raise ValueError(f"Parameter `{odd[0][0]}` is {odd[0][1]}: mixed precision trains float32 parameters, cast to "
-                             "16 bits for the forward. Convert it to float32, or train this model without `to_mixed()`.")
-    if not any(p.is_floating_point() for p in model.parameters()):
-        raise ValueError("The model has no floating-point parameters: there is nothing to train in mixed precision.")
-    half = [(n,p.dtype) for n,p in model.named_parameters() if _is_16bit(p)]
-    if half: raise ValueError(f"The model already has 16-bit parameters (`{half[0][0]}` is already {half[0][1]}, {len(half)} "
-                              "in all): mixed precision casts a FP32 model itself and keeps its FP32 parameters as the "
-                              "masters. Call `learn.model.float()` first.")
-    kept_tops,plan = _cast_plan(model, keep)
-    if not plan: raise ValueError("No parameter to cast: every floating-point layer is kept in FP32 (see `keep_fp32`).")
-    kept_mods = {id(m_) for m in kept_tops for m_ in m.modules()}
-    slots = [(name, m, n, p) for name,m in model.named_modules() for n,p in m._parameters.items() if p is not None]
-    kept = {id(p):_qual(name, n) for name,m,n,p in slots if id(m) in kept_mods}
-    shared = [(_qual(name, n), kept[id(p)]) for name,m,n,p in slots if id(m) not in kept_mods and id(p) in kept]
-    if shared: raise ValueError(f"Parameter `{shared[0][0]}` is also `{shared[0][1]}`, in a layer kept in FP32: one tensor "
-                                "cannot be 16-bit in one layer and FP32 in the other. Untie them, or keep both layers in "
-                                "FP32 with `keep_fp32`.")
-    return kept_tops,plan
-
-def check_castable(
-    model:nn.Module, # The model to train in mixed precision
-    keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
-) -> None:
-    "Raise, naming the parameter, if `model` cannot be trained as FP32 masters cast to 16 bits for the forward"
-    _checked_plan(model, keep)
-
-# %% ../nbs/00_cast.ipynb #54c86639
-def unmatched_names(
-    model:nn.Module, # The model
-    keep:tuple, # Types and name patterns of modules that stay in FP32
-) -> list: # The patterns that match no module name
-    "The name patterns in `keep` that match no module of `model`"
-    names = [n for n,_ in model.named_modules()]
-    return [k for k in keep if isinstance(k, str) and not any(fnmatchcase(n, k) for n in names)]
-
-# %% ../nbs/00_cast.ipynb #21f9710b
-class KeptFor(str):
-    "An exact module name for `keep` that carries why the module stays in FP32 (`to_mixed(keep_fp32='auto')` adds them)"
-    def __new__(cls,
-        name:str, # The module's name in `model.named_modules()`
-        why:str, # A few words: 'overflow', 'sensitivity', ...
-    ):
-        res = super().__new__(cls, glob.escape(name)) # a name pattern that matches only `name`
-        res.name,res.why = name,why
-        return res
-    def __getnewargs__(self): return (self.name, self.why) # (copies and pickles rebuild it from both)
-    def __repr__(self): return f"KeptFor({self.name!r}, {self.why!r})"
-
-# %% ../nbs/00_cast.ipynb #cfed8e40
-def _why_kept(name:str, module:nn.Module, keep:tuple) -> str:
-    if keeps_fp32(name, module, always_fp32): return 'normalization'
-    auto = [k.why for k in keep if isinstance(k, KeptFor) and fnmatchcase(name, k)]
-    if auto: return f"auto: {auto[0]}"
-    by = [repr(k) for k in keep if isinstance(k, str) and fnmatchcase(name, k)] + [k.__name__ for k in keep if isinstance(k, type) and isinstance(module, k)]
-    return f"keep_fp32 {by[0]}" if by else 'keep_fp32'
-
-def cast_summary(
-    model:nn.Module, # The FP32 model
-    dtype:torch.dtype=torch.float16, # The 16-bit type its forward casts to
-    keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
-) -> 'pd.DataFrame': # A row per module with parameters of its own
-    "Which modules' weights the forward casts to `dtype` and which stay FP32, why, and what they weigh"
-    import pandas as pd
-    kept_tops,_ = _cast_plan(model, keep)
-    names = {id(m):n for n,m in model.named_modules()}
-    top_of = {id(s):t for t in kept_tops for s in t.modules()}
-    rows = []
-    for name,m in model.named_modules():
-        own = [p for p in m.parameters(recurse=False) if p.is_floating_point()]
-        if not own: continue
-        top = top_of.get(id(m))
-        if top is None: why,dt = 'cast',dtype
-        else: why,dt = _why_kept(names[id(top)], top, keep) + ('' if top is m else f" (in `{names[id(top)]}`)"),torch.float32
-        n = sum(p.numel() for p in own)
-        rows.append(dict(module=name, type=type(m).__name__, forward=str(dt).split('.')[1], why=why, params=n, bytes=n * dt.itemsize))
-    return pd.DataFrame(rows, columns=['module', 'type', 'forward', 'why', 'params', 'bytes'])
 
 # %% ../nbs/00_cast.ipynb #d4f6aa1c
 def cast_floats(
@@ -246,416 +94,155 @@ def cast_floats(
         return res
     return x
 
-# %% ../nbs/00_cast.ipynb #b928fb9a
-class CastRole(Enum):
-    "What the hooks do at a module of a cast model, besides casting the weights for the outermost call"
-    PLAIN = 'nothing more'
-    CAST_INPUT = 'owns cast parameters: its floating-point inputs become 16-bit'
-    PARAMETRIZED = "a parametrization's cast original: computes the weight from it with autocast off, as written"
-    FP32_INPUT = 'kept in FP32 by the user: FP32 inputs, FP32 output'
-    FP32_NORM = 'a normalization whose kernel needs FP32 input: FP32 inputs, 16-bit output'
-    KEPT_NORM = 'a normalization whose kernel takes 16-bit input: run as is, with autocast off (its output stays 16-bit)'
-
-# %% ../nbs/00_cast.ipynb #ffb1d13b
-def kept_role(
-    m:nn.Module, # An outermost module that stays in FP32 (one of `kept_tops`)
-) -> CastRole:
-    "What the FP32 module `m` does with the 16-bit activations around it, as a cast model runs it"
-    if isinstance(m, norms_taking_16bit_input): return CastRole.PLAIN # its kernel takes 16-bit input and returns it
-    # a normalization hands 16-bit output on; a module the user keeps by name or type, FP32 (a head predicts in FP32)
-    return CastRole.FP32_NORM if keeps_fp32('', m) else CastRole.FP32_INPUT
-
-def _roles(model, kept_tops, slots) -> dict:
-    "`id(module) -> CastRole` for every module of `model`"
-    res = {id(m):CastRole.PLAIN for m in model.modules()}
-    res.update({id(m):CastRole.PARAMETRIZED if isinstance(m, ParametrizationList) else CastRole.CAST_INPUT for _,m,_,_ in slots})
-    for m in kept_tops: # (a kernel that takes 16-bit input is PLAIN to `kept_role`, whose other users need no more)
-        res[id(m)] = CastRole.KEPT_NORM if kept_role(m) is CastRole.PLAIN else kept_role(m)
-    return res
-
 # %% ../nbs/00_cast.ipynb #5525acbe
-_large_cast = 2**16 # Elements of a master from which its cast is an autograd node of its own (256 KiB in FP32)
-# torch's own layers whose forward is one op that autocast runs in 16 bits on these devices, casting its floating-point
-# inputs as our pre-hook would: inside a forward they need no hook of ours
-_autocast_layers,_autocast_devices = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d),('cpu', 'cuda')
-
-def _compiled(modules:list) -> bool:
-    "Whether any of `modules` is compiled: wrapped by `torch.compile`, or compiled in place (`module.compile()`)"
-    optimized = getattr(sys.modules.get('torch._dynamo.eval_frame'), 'OptimizedModule', None) # (none before dynamo's import)
-    return any((optimized is not None and isinstance(m, optimized)) or m._compiled_call_impl is not None for m in modules)
-
-def _needing_grad(x) -> list:
-    "The tensors in `x` (a tensor, or a tuple, list or dict of them, nested) that a backward can reach"
-    if isinstance(x, Tensor): return [x] if x.requires_grad else []
-    if isinstance(x, dict): x = list(x.values())
-    return [t for o in x for t in _needing_grad(o)] if isinstance(x, (list, tuple)) else []
-
 class ModelCast:
-    "A model whose forward runs on 16-bit casts of its FP32 parameters while casting is on; the parameters stay the masters"
+    "A model's forward in 16 bits inside the regions its owner opens (`begin`/`end`): autocast in the ops, hooks where autocast cannot serve"
     def __init__(self,
         model:nn.Module, # The FP32 model
         dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`
         keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
     ):
-        kept_tops,plan = _checked_plan(model, keep)
-        self.model,self.dtype,self.kept = model,dtype,kept_tops
-        self.masters = list({id(p):p for *_,p in plan}.values()) # Each cast parameter once (tied weights once), model order
-        index = {id(p):i for i,p in enumerate(self.masters)}
-        self.slots = [(m, n, index[id(p)]) for _,m,n,p in plan] # (module, slot name, index into `masters`) of each slot
-        self.rnns = [m for m in {id(m):m for m,*_ in self.slots}.values() if hasattr(m, '_init_flat_weights')]
-        self.large = [i for i,p in enumerate(self.masters) if p.numel() >= _large_cast] # each cast as an autograd node of its own
-        self.small = [i for i,p in enumerate(self.masters) if p.numel() < _large_cast] # all cast as one node
-        self.slots_of = {i:[] for i in self.large} # (module, slot name) of each large master's slots
-        for m,n,i in self.slots:
-            if i in self.slots_of: self.slots_of[i].append((m, n))
-        rnn_ids = {id(m) for m in self.rnns} # (an RNN keeps a list of its weights: its casts stay until the step ends)
-        self.releasable = {i for i,s in self.slots_of.items() if not any(id(m) in rnn_ids for m,_ in s)}
-
-        self.modules = list(model.modules())
-        # a parametrized weight read outside a forward computes from the masters, in FP32: the parametrization and its modules
-        self.parametrizations = {id(s) for m in self.modules if isinstance(m, ParametrizationList) for s in m.modules()}
-        self.roles = _roles(model, kept_tops, plan)
-        # The modules whose calls inside a forward need our hooks: those with a role, but torch's Linear and convolutions
-        local = self.device.type in _autocast_devices
-        self.acting = [m for m in self.modules if self.roles[id(m)] is not CastRole.PLAIN
-                       and not (local and self.roles[id(m)] is CastRole.CAST_INPUT and type(m) in _autocast_layers)]
-        # A large master whose every slot is in torch's `nn.Linear` is cast by autocast inside the layer's op, in a forward
-        # that records a graph on the hooks of `acting`: its cast node is made just before its op, so the backward
-        # converts its gradient and frees the cast right after that layer, as autocast's own casts are; ours, made
-        # before the whole forward, run last, holding every such cast and 16-bit gradient until then (measured: a wide
-        # MLP's backward 4-6 ms slower than autocast's, from the fresh memory it took; as fast with this). Convolutions
-        # keep ours: ResNet-18's backward measured 1% faster with them than with autocast's casts in the op.
-        self.in_op = {i for i,s in self.slots_of.items() if all(type(m) is nn.Linear for m,_ in s)} if local else set()
-        self.compiled = _compiled(self.modules) # (dynamo guards a compiled model on its hooks: hooks made for each call recompile it)
-        self._local = None # While an outermost call runs on the hooks of `acting` (torch's global ones off): their handles
-        self._outer = None # ... and the module whose call is the outermost
-        self._stale = [] # The handle of the hook an outermost call that raised left on its module, until removed
+        check_castable(model, keep)
+        self.model,self.dtype,self.keep = model,dtype,keep
+        self.policy = model_policy(model, dtype, keep) # name -> (module, `ModulePolicy`)
+        self.kinds = {id(m):p.kind for m,p in self.policy.values() if p.hooked} # The modules the hooks act at
+        self.device_type = self.device.type
         self.attrs16 = _attrs16(model) # 16-bit tensors the model held before: `restore` leaves them alone
-        self.active = False # Whether forwards cast (the owner's setting)
-        self.depth = 0 # How many calls of the model's modules are running, while casting
-        self._casts = None # (the masters' versions, whether made with autograd, one cast per master, whether those of `in_op` were left to autocast), until `drop_casts`
-        self._held = None # The casts a running backward holds in the slots (one per master), or None
-        self._gone = False # Whether the backward let go of a large cast of `_casts` (`_let_go`): the next forward casts again
-        self._swapped = None # `(module, slot name, tensor)` of each slot that held another tensor than its master when the outermost call began
-        self._autocast = None # While an outermost call runs: autocast's state before it (enabled, dtype, cache enabled)
-        self._device_type = self.device.type # Where it runs: 'cpu', 'cuda'
+        self.handles = [] # The hooks, while registered
+        self._thread = threading.local() # This thread's open regions and running hooked calls
 
-    def __repr__(self): return f"{type(self).__name__}({len(self.masters)} masters to {self.dtype}, active={self.active})"
+    def __repr__(self): return f"{type(self).__name__}({type(self.model).__name__} to {self.dtype}, {len(self.kinds)} hooked modules)"
 
     @property
-    def device(self) -> torch.device: # Where the first cast parameter lives
-        "The device of the cast model (of its first cast parameter, for a model spread over several)"
-        return self.masters[0].device
+    def device(self) -> torch.device:
+        "The device of the model (of its first floating-point parameter, for a model spread over several)"
+        return next(p.device for p in self.model.parameters() if p.is_floating_point())
+
+    def _state(self) -> tuple: # (open regions: (autocast context, hooked calls when it opened), running hooked calls)
+        t = self._thread
+        if not hasattr(t, 'regions'): t.regions,t.calls = [],[]
+        return t.regions,t.calls
+
+    @property
+    def casting(self) -> bool:
+        "Whether a region is open in this thread"
+        return bool(self._state()[0])
 
     def begin(self) -> None:
-        "Forwards from now on run on 16-bit casts, each made once until `drop_casts` or `end`"
-        self.active = True
+        "Open a region in this thread: forwards from here to `end` run in 16 bits"
+        regions,calls = self._state()
+        ac = torch.autocast(self.device_type, self.dtype)
+        ac.__enter__()
+        regions.append((ac, len(calls)))
 
     def end(self) -> None:
-        "Forwards run in FP32 again, and the casts are freed"
-        self.active = False
-        self._release() # (a backward that raised never ran its end)
-        self.drop_casts()
+        "Close this thread's innermost region (if any): a hooked call it left running is undone, autocast is as before it"
+        regions,calls = self._state()
+        if not regions: return
+        ac,depth = regions[-1]
+        while len(calls) > depth: self._leave(calls.pop()) # (a call an interrupt cut short)
+        regions.pop()
+        ac.__exit__(None, None, None)
 
-    def drop_casts(self) -> None:
-        "Forget the casts (the masters changed): the next forward casts again"
-        self._casts = None
+    def register(self) -> None:
+        "Register the hooks, once: on each module whose policy needs them"
+        for m,p in self.policy.values():
+            if not p.hooked: continue
+            self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post, with_kwargs=True, always_call=True))
 
-    def _cast_all(self) -> list: # One cast per master
-        "The masters' casts (a master autocast casts in its op: itself), made for all at once and reused while no master changed"
-        versions,graph = [p._version for p in self.masters],torch.is_grad_enabled()
-        # (without a graph, `in_op`'s are cast with the others: one cast serves a whole validation pass, where autocast's
-        # would be made again at every batch)
-        in_op = graph and bool(self.in_op) and self._can_go_local()
-        c = self._casts
-        # (a cast made under no_grad has no backward; casts made with `in_op` left out do not serve a forward that needs them)
-        if c is None or c[0] != versions or (graph and not c[1]) or c[3] != in_op or self._gone:
-            casts = [None] * len(self.masters)
-            # Small masters share one autograd node (one Python call for all); a large one gets its own. The cast nodes,
-            # made first, run last in the backward (torch's engine runs the nodes made latest first); one node per large
-            # master converts one gradient at a time, freeing its cast first, where one for all would hold every 16-bit
-            # gradient and allocate every FP32 one at once (measured: 10% of a wide MLP's step)
-            for i,w in zip(self.small, _CastAll.apply(self.dtype, None, *(self.masters[i] for i in self.small))): casts[i] = w
-            # Once a large master's gradient is made, its node has the cache and the slots let go of its cast: the memory
-            # serves the gradients still to come, as autocast's casts, freed with the graph, do (measured: 5 ms of a wide
-            # MLP's 110 ms step, the fresh memory the gradients otherwise take). Not in a compiled forward (dynamo traces
-            # the backward) nor without a graph.
-            ref = weakref.ref(self) if graph and not torch.compiler.is_compiling() else None
-            for i in self.large:
-                if in_op and i in self.in_op:
-                    casts[i] = self.masters[i] # (its slot keeps the master: autocast casts it in the op that reads it)
-                    continue
-                done = partial(_let_go, ref, versions, i) if ref is not None and i in self.releasable else None
-                casts[i] = _CastAll.apply(self.dtype, done, self.masters[i])[0]
-            c = self._casts = (versions, graph, casts, in_op)
-            self._gone = False
-        return c[2]
+    def _pre(self, m:nn.Module, args:tuple, kwargs:dict):
+        regions,calls = self._state()
+        kind = self.kinds.get(id(m)) # (None: a module that shares the hooks of one of ours, as `nn.DataParallel`'s replicas do)
+        if not regions or kind is None: return None # (outside a region: FP32, as written)
+        calls.append((m, torch.is_autocast_enabled(self.device_type), self._cast_weights(m) if kind == 'recurrent' else None))
+        torch.set_autocast_enabled(self.device_type, False)
+        dtype = self.dtype if kind == 'recurrent' else torch.float32
+        return cast_floats(args, dtype),cast_floats(kwargs, dtype)
 
-    def _put(self, tensors:list) -> None:
-        "Put `tensors` (one per master) into every slot"
-        for m,n,i in self.slots: m._parameters[n] = tensors[i]
-        for m in self.rnns: m._init_flat_weights() # RNNs cache a list of their weights, which `_parameters` leaves stale
+    def _post(self, m:nn.Module, args:tuple, kwargs:dict, out):
+        _,calls = self._state()
+        if calls and calls[-1][0] is m: self._leave(calls.pop())
+        return None
 
-    def _put_casts(self) -> None:
-        "Put the casts into every slot; a slot that holds another tensor than its master (`torch.func.functional_call` put it there) gets that tensor's cast, and gets it back at the end"
-        casts,masters,held,swapped = self._cast_all(),self.masters,self._held,[]
-        for m,n,i in self.slots:
-            t = m._parameters[n]
-            if t is masters[i] or (held is not None and t is held[i]): m._parameters[n] = casts[i]
-            else:
-                swapped.append((m, n, t))
-                m._parameters[n] = t.to(self.dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
-        for m in self.rnns: m._init_flat_weights() # RNNs cache a list of their weights, which `_parameters` leaves stale
-        self._swapped = swapped
+    def _cast_weights(self, m:nn.Module) -> list: # (name, what the slot held, whether a parameter slot) of each weight cast
+        "Put a 16-bit cast of each of a recurrent layer's weights into its slot"
+        names = getattr(m, '_flat_weights_names', None) or list(m._parameters)
+        res = []
+        for n in names:
+            t = getattr(m, n, None)
+            if not isinstance(t, Tensor) or not t.is_floating_point() or t.dtype == self.dtype: continue
+            slot = n in m._parameters
+            res.append((n, t, slot))
+            if slot: m._parameters[n] = t.to(self.dtype)
+            else: setattr(m, n, t.to(self.dtype)) # (a weight kept as a plain attribute: AWD-LSTM's weight dropout sets one)
+        return res
 
-    def _put_back(self) -> None:
-        "Put back what the slots held before the outermost call: the masters (the casts, in a backward), or what `functional_call` put there"
-        self._put(self.masters if self._held is None else self._held)
-        if self._swapped:
-            for m,n,t in self._swapped: m._parameters[n] = t
-            for m in self.rnns: m._init_flat_weights()
-        self._swapped = None
-
-    def _hold_for_backward(self, out) -> None:
-        "A backward through `out` finds the casts in the slots: a recompute of `torch.utils.checkpoint` reads what the forward read"
-        if not torch.is_grad_enabled() or self._casts is None or torch.compiler.is_compiling(): return
-        # The hook stays on the output's graph as long as the output lives (fastai keeps `learn.pred` and `learn.loss_grad`
-        # until the next batch): it holds no cast and no `ModelCast`, only which casts it means (their versions' list),
-        # so that the casts are freed with the step, and 12 bytes per parameter stay between steps
-        made,ref = self._casts[0],weakref.ref(self)
-        def hold(grad):
-            mc = ref()
-            if mc is None or mc.depth or mc._held is not None or not mc.active: return None # (inside a forward, the casts are in)
-            c = mc._casts
-            if c is None or c[0] is not made: return None # (those casts are gone: the step freed them)
-            mc._held = c[2]
-            mc._put(c[2])
-            Variable._execution_engine.queue_callback(mc._release) # (run by the engine when this backward ends)
-        for t in _needing_grad(out): t.register_hook(hold)
-
-    def _let_go(self,
-        made:list, # The masters' versions when the casts were made (which casts the call means)
-        i:int, # The master whose gradient the backward made
-    ) -> None:
-        "The backward made master `i`'s gradient and reads its cast no more: the cache, and the slots where a backward holds the casts, take the master instead, so that the cast is freed"
-        c = self._casts
-        if c is None or c[0] is not made or self.depth: return # (casts made since, or a backward inside a forward: nothing ends now)
-        self._gone = True
-        c[2][i] = self.masters[i] # (the list `_held` may be as well)
-        if self._held is not None:
-            self._held[i] = self.masters[i]
-            for m,n in self.slots_of[i]: m._parameters[n] = self.masters[i]
-
-    def _release(self) -> None:
-        "The backward is over: the masters go back"
-        if self._held is None: return
-        self._held = None
-        if self.depth == 0: self._put(self.masters)
-
-    def _pre(self, m:nn.Module, args:tuple, kwargs:dict|None=None):
-        if not self.active: return None
-        if self.depth == 0:
-            if id(m) in self.parametrizations: return None # a weight read outside a forward computes from the masters
-            self._put_casts()
-            self._enter_autocast()
-            self._go_local(m)
-        self.depth += 1
-        role = self.roles[id(m)]
-        if role is CastRole.PLAIN: return None
-        if role is CastRole.CAST_INPUT: dtype = self.dtype
-        else: # a kept module computes in FP32, a parametrization as written: autocast off inside (none nests in another)
-            torch.set_autocast_enabled(self._device_type, False)
-            if role is CastRole.KEPT_NORM: return None # (its kernel takes the 16-bit input as it comes)
-            dtype = self.dtype if role is CastRole.PARAMETRIZED else torch.float32
-        if kwargs: return cast_floats(args, dtype),cast_floats(kwargs, dtype) # (an LSTM's `hx=`)
-        # (the common call, one tensor already of the right type, costs no rebuilt tuple)
-        if len(args) == 1 and isinstance(args[0], Tensor) and args[0].dtype is dtype: return None
-        return cast_floats(args, dtype) if kwargs is None else (cast_floats(args, dtype), kwargs)
-
-    def _post(self, m:nn.Module, out):
-        if self.depth == 0: return None # a call that did not cast (casting was off)
-        self.depth -= 1
-        role = self.roles[id(m)]
-        if role is not CastRole.PLAIN and role is not CastRole.CAST_INPUT: torch.set_autocast_enabled(self._device_type, True)
-        if self.depth == 0:
-            self._exit_autocast()
-            self._go_global()
-            self._put_back()
-            self._hold_for_backward(out)
-            _note_dtype_clash(sys.exc_info()[1])
-        return cast_floats(out, self.dtype) if role is CastRole.FP32_NORM else None
-
-    def _go_local(self,
-        m:nn.Module, # The module whose call is the outermost
-    ) -> None:
-        "For the outermost call: torch's global hooks off, so that a module with no hook of its own runs torch's fast path, and hooks on the modules that act (and on `m`) instead"
-        self._drop_stale()
-        if not self._can_go_local(): return
-        local = self._local = [] # (first: `_go_global` undoes whatever follows, should a Ctrl-C cut it short)
-        for a in {id(x):x for x in [*self.acting, m]}.values(): # (`m`'s: its end, and a call of `m` inside itself)
-            local.append(a.register_forward_pre_hook(self._pre_local, prepend=True, with_kwargs=True))
-            local.append(a.register_forward_hook(self._post_local, prepend=True, always_call=True))
-        pre,post = _global_hooks # (their entries leave torch's registries and come back under the same ids)
-        torch_module._global_forward_pre_hooks.pop(pre.id, None)
-        torch_module._global_forward_hooks.pop(post.id, None)
-        self._outer = m
-
-    def _can_go_local(self) -> bool:
-        "Whether an outermost call now runs on the hooks of `acting`: not with another model cast, whose modules the global hooks serve, nor for a compiled model"
-        return len(_registered) == 1 and bool(_global_hooks) and not self.compiled and not torch.compiler.is_compiling()
-
-    def _go_global(self) -> None:
-        "The outermost call is over: torch's global hooks back, the hooks of `_go_local` removed (idempotent)"
-        if self._local is None: return
-        if _global_hooks:
-            pre,post = _global_hooks
-            torch_module._global_forward_pre_hooks[pre.id] = _pre_hook
-            torch_module._global_forward_hooks[post.id] = _post_hook
-        # A call that raised runs its `always_call` hooks from torch's own loop over the outermost module's forward hooks,
-        # which cannot change under it: that one stays, doing nothing, until the next outermost call or `restore`
-        keep = self._outer if sys.exc_info()[0] is not None else None
-        stale = []
-        for h in self._local:
-            if keep is None or h.id not in keep._forward_hooks: h.remove()
-            else: stale.append(h)
-        self._stale,self._local,self._outer = stale,None,None
-
-    def _drop_stale(self) -> None:
-        "Remove the hook a raising outermost call left on its module"
-        stale,self._stale = self._stale,[]
-        for h in stale: h.remove()
-
-    def _pre_local(self, m:nn.Module, args:tuple, kwargs:dict):
-        # (a copy that shares the module's hook dictionaries, as `nn.DataParallel`'s replicas do, is not ours; nor is a
-        # call after the outermost one ended, with the hooks a raising call left)
-        return self._pre(m, args, kwargs) if self._local is not None and _by_module.get(id(m)) is self else None
-
-    def _post_local(self, m:nn.Module, args:tuple, out):
-        return self._post(m, out) if self._local is not None and _by_module.get(id(m)) is self else None
-
-    def _enter_autocast(self) -> None:
-        "The outermost call runs under autocast to the 16-bit type, with no cache (our casts are made already; a leaf's cast would outlive its next step)"
-        # (torch's setters rather than a `torch.autocast` entered here and left in the post-hook: dynamo traces them in a
-        # compiled model's hooks, where it breaks the graph on the context manager)
-        dev = self._device_type = self.device.type
-        self._autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev), torch.is_autocast_cache_enabled())
-        torch.set_autocast_enabled(dev, True)
-        torch.set_autocast_dtype(dev, self.dtype)
-        torch.set_autocast_cache_enabled(False)
-
-    def _exit_autocast(self) -> None:
-        "Autocast as it was before the outermost call"
-        outer,self._autocast = self._autocast,None
-        if outer is None: return
-        torch.set_autocast_enabled(self._device_type, outer[0])
-        torch.set_autocast_dtype(self._device_type, outer[1])
-        torch.set_autocast_cache_enabled(outer[2])
-
-    def _register(self) -> None:
-        taken = [m for m in self.modules if id(m) in _by_module]
-        if taken: raise ValueError(f"A module of this model ({type(taken[0]).__name__}) is already cast for another fit: one "
-                                   "module can train in one mixed-precision fit at a time.")
-        _registered.add(id(self))
-        if not _global_hooks: _global_hooks.extend([register_module_forward_pre_hook(_pre_hook),
-                                                    register_module_forward_hook(_post_hook, always_call=True)])
-        # The hooks act at a module that has a role, or parameters in it: a call of any other (an activation, a pooling)
-        # neither casts nor needs its inputs cast, and its hook calls return at once
-        _by_module.update({id(m):self for m in self.modules if self.roles[id(m)] is not CastRole.PLAIN
-                           or next(m.parameters(), None) is not None})
-        # torch's global pre-hook takes keyword arguments at the modules whose `_forward_pre_hooks_with_kwargs` names it:
-        # a module with a role gets them cast as its positional ones (an LSTM's `hx=`)
-        for m in self.modules:
-            if self.roles[id(m)] is not CastRole.PLAIN: m._forward_pre_hooks_with_kwargs[_global_hooks[0].id] = True
-
-    def _unregister(self) -> None:
-        self._go_global()
-        self._drop_stale()
-        _registered.discard(id(self))
-        for m in self.modules:
-            if _global_hooks: m._forward_pre_hooks_with_kwargs.pop(_global_hooks[0].id, None)
-            if _by_module.get(id(m)) is self: del _by_module[id(m)]
-        if not _by_module:
-            for h in _global_hooks: h.remove()
-            _global_hooks.clear()
+    def _leave(self, call:tuple) -> None:
+        "A hooked call is over: its weights back in their slots, autocast as it was"
+        m,enabled,swapped = call
+        for n,t,slot in swapped or ():
+            if slot: m._parameters[n] = t
+            else: setattr(m, n, t)
+        if swapped and hasattr(m, '_flat_weights_names'): # an RNN's list of its weights, as its own `_init_flat_weights` makes it,
+            m._flat_weights = [getattr(m, n, None) for n in m._flat_weights_names] # but with no cuDNN flattening of the masters
+            m._flat_weight_refs = [None if w is None else weakref.ref(w) for w in m._flat_weights]
+        torch.set_autocast_enabled(self.device_type, enabled)
 
     def restore(self) -> None:
-        "Masters in every slot for good, no hook of ours, and no 16-bit tensor a forward left in the model's attributes"
-        self.active,self.depth,self._held,self._swapped = False,0,None,None
-        self._exit_autocast() # (a forward a `KeyboardInterrupt` cut short left it on)
-        self._put(self.masters)
-        self._unregister()
-        self.drop_casts()
-        for m in self.modules:
+        "Close this thread's regions, remove the hooks, and turn 16-bit tensors a forward left in the model's attributes to FP32"
+        while self.casting: self.end()
+        while self.handles: # (one at a time: a close an interrupt cut short removes the rest when it is completed)
+            self.handles[-1].remove()
+            self.handles.pop()
+        _release(self)
+        for m in self.model.modules():
             for k,v in list(vars(m).items()):
-                if k == '_flat_weights': continue
+                if k in ('_flat_weights', '_flat_weight_refs'): continue
                 if isinstance(v, dict): # a buffer the forward set from a 16-bit activation (`_buffers`), or a dict of the module's
                     for kk,o in list(v.items()):
                         if (id(m), k, kk) not in self.attrs16 and _has_16bit(o): v[kk] = cast_floats(o, torch.float32)
                 elif (id(m), k) not in self.attrs16 and _has_16bit(v): setattr(m, k, cast_floats(v, torch.float32))
 
-# %% ../nbs/00_cast.ipynb #810cd701
-_device = operator.attrgetter('device')
-
-def _cast_many(ts:tuple, dtype:torch.dtype) -> tuple:
-    "`t.to(dtype)` for each of `ts`: contiguous ones on one device as views of one new buffer, filled by one multi-tensor copy"
-    # (measured, 202 small masters: 550 us against 700 for a Python call per tensor, on 2 CPU threads; the casts' memory is
-    # one allocation, freed with the last of them)
-    # (the checks map C methods: 57 against 74 us a forward for 202 masters with a generator's Python per tensor)
-    if len(ts) < 2 or not all(map(Tensor.is_contiguous, ts)) or len(set(map(_device, ts))) > 1: return tuple(t.to(dtype) for t in ts)
-    casts = torch._C._nn.unflatten_dense_tensors(torch.empty(sum(map(Tensor.numel, ts)), dtype=dtype, device=ts[0].device), ts)
-    torch._foreach_copy_(casts, ts)
-    return tuple(casts)
-
-def _let_go(ref, made:list, i:int) -> None: # (a large master's cast node calls it in the backward)
-    mc = ref()
-    if mc is not None: mc._let_go(made, i)
-
-class _CastAll(torch.autograd.Function):
-    "The masters cast to 16 bits as one autograd node, whose backward hands each its gradient in FP32 (sparse ones stay sparse), then calls `done` (if not None)"
-    @staticmethod
-    def forward(ctx, dtype, done, *masters):
-        ctx.set_materialize_grads(False) # a cast no op used gets no gradient (None), not zeros: its master keeps `grad=None`
-        ctx.done = done
-        casts = _cast_many(masters, dtype)
-        frozen = [c for c,p in zip(casts, masters) if not p.requires_grad] # (a frozen layer's weight gradient is never computed)
-        if frozen: ctx.mark_non_differentiable(*frozen)
-        return casts
-    @staticmethod
-    def backward(ctx, *grads): # (autograd's engine converts each to its master's FP32 in C++: a Python call per gradient spared)
-        if ctx.done is not None: ctx.done()
-        return (None, None, *grads)
-
-# %% ../nbs/00_cast.ipynb #a6a5dd39
-_16bit_names = re.compile(r'BFloat16|Half|bfloat16|float16')
-_fp32_names = re.compile(r'\b[Ff]loat\b|float32')
-_clash_note = ("to_mixed: an FP32 tensor met a 16-bit one in the forward. Each module with 16-bit weights has its "
-    "inputs cast, and matmuls and convolutions cast what they meet as `torch.autocast` does, but a tensor made inside a "
-    "`forward` (torch.zeros, `.float()`, an FP32 buffer) and combined with a 16-bit one in an op that neither promotes "
-    "nor is autocast's (an indexed write such as `index_add_`, `scatter_`; any op inside a parametrization, which computes "
-    "its weight with autocast off, as written) is used as made: make it with the dtype of "
-    "what it meets (`.to(x.dtype)`, `dtype=self.weight.dtype`), or keep the module whose forward does this in FP32 with "
-    "`to_mixed(keep_fp32=['its name'])`.")
-
-def _note_dtype_clash(e) -> None:
-    "Say, on torch's dtype-mismatch error from a 16-bit forward, what causes it and what to do (from Python 3.11)"
-    if not isinstance(e, RuntimeError) or not hasattr(e, 'add_note') or _clash_note in getattr(e, '__notes__', ()): return
-    msg = str(e)
-    if 'type' in msg and _16bit_names.search(msg) and _fp32_names.search(msg): e.add_note(_clash_note)
-
 # %% ../nbs/00_cast.ipynb #df5368a5
-_by_module = {} # id(module) -> the `ModelCast` of the model that holds it, while cast
-_global_hooks = [] # handles of the two global hooks, while `_by_module` is not empty
-_registered = set() # id of each registered `ModelCast` (not `ModelCast._casts`, one model's cache of casts)
+_casting = {} # id(module) -> the `ModelCast` that holds it, while registered
+_lock = threading.Lock()
 
-def _pre_hook(m, args, kwargs=None):
-    mc = _by_module.get(id(m))
-    return None if mc is None else mc._pre(m, args, kwargs)
+def _take(cast:ModelCast) -> None:
+    with _lock:
+        taken = [m for m in cast.model.modules() if id(m) in _casting]
+        if taken: raise ValueError(f"A module of this model ({type(taken[0]).__name__}) is already cast for another fit: one "
+                                   "module can train in one mixed-precision fit at a time.")
+        _casting.update({id(m):cast for m in cast.model.modules()})
 
-def _post_hook(m, args, out):
-    mc = _by_module.get(id(m))
-    return None if mc is None else mc._post(m, out)
+def _release(cast:ModelCast) -> None:
+    with _lock:
+        for k in [k for k,v in _casting.items() if v is cast]: del _casting[k]
+
+def cast_holding(
+    module:nn.Module, # A module of a model
+) -> ModelCast|None: # The cast, or None
+    "The registered cast that holds `module`, if any"
+    return _casting.get(id(module))
+
+def cast_model(
+    model:nn.Module, # The FP32 model
+    dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`
+    keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
+) -> ModelCast: # Registered; its regions opened with `begin`; `restore` ends it
+    "Register the 16-bit forward of `model` (but the `keep` modules'): hooks once, where its policy needs them"
+    res = ModelCast(model, dtype, keep)
+    try:
+        _take(res)
+        res.register()
+    except BaseException: # (an interrupt part way: nothing of the cast stays registered)
+        res.restore()
+        raise
+    return res
 
 # %% ../nbs/00_cast.ipynb #9f5f4d2b
+def _is_16bit(t:Tensor) -> bool: return t.dtype in (torch.float16, torch.bfloat16)
+
 def _has_16bit(v) -> bool:
     "Whether `v` is a 16-bit tensor, or a list, tuple or dict that holds one (an RNN's hidden state)"
     if isinstance(v, Tensor): return _is_16bit(v)
@@ -671,29 +258,16 @@ def _attrs16(model) -> set:
             elif _has_16bit(v): res.add((id(m), k))
     return res
 
-# %% ../nbs/00_cast.ipynb #bf1924f5
-def cast_model(
-    model:nn.Module, # The FP32 model to cast
-    dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`
-    keep:tuple=always_fp32, # Types and name patterns of modules that stay in FP32
-) -> ModelCast: # The cast, off until `begin`; `restore` ends it
-    "Cast the floating-point parameters of `model` (but the `keep` modules') to `dtype` for its forward"
-    res = ModelCast(model, dtype, keep)
-    try: res._register()
-    except BaseException: # (a Ctrl-C between the global hooks and the registry: nothing of the cast stays registered)
-        res._unregister()
-        raise
-    return res
+# %% ../nbs/00_cast.ipynb #a6a5dd40
+_16bit_names = re.compile(r'BFloat16|Half|bfloat16|float16')
+_fp32_names = re.compile(r'\b[Ff]loat\b|float32')
+_clash_note = ("to_mixed: an FP32 tensor met a 16-bit one in the forward, in an op that neither promotes types nor is "
+    "one `torch.autocast` casts: an indexed write such as `index_add_`, `scatter_` or `h[mask] = ...` mixing a tensor made "
+    "inside the `forward` (torch.zeros, `.float()`, an FP32 buffer) and a 16-bit activation. Make the one with the dtype of "
+    "the other (`.to(x.dtype)`), or keep the module whose forward does this in FP32 with `to_mixed(keep_fp32=['its name'])`.")
 
-# %% ../nbs/00_cast.ipynb #b2c3d4e5
-def masters_of(
-    params, # Parameters, or groups of them (lists, or torch's dicts with 'params'), as an optimizer takes them
-): # The same, as lists, with each cast a running forward holds in a slot replaced by its FP32 master
-    "The parameters an optimizer built inside a forward must step: each 16-bit cast in a slot is its FP32 master"
-    cast_of = {id(c):p for mc in {id(v):v for v in _by_module.values()}.values() if mc._casts is not None
-               for c,p in zip(mc._casts[2], mc.masters)}
-    def sub(o):
-        if isinstance(o, Tensor): return cast_of.get(id(o), o)
-        if isinstance(o, dict): return {**o, 'params': sub(o['params'])} if 'params' in o else o
-        return [sub(x) for x in o]
-    return params if not cast_of else sub(params)
+def _note_dtype_clash(e) -> None:
+    "Say, on torch's dtype-mismatch error from a 16-bit forward, what causes it and what to do (from Python 3.11)"
+    if not isinstance(e, RuntimeError) or not hasattr(e, 'add_note') or _clash_note in getattr(e, '__notes__', ()): return
+    msg = str(e)
+    if 'type' in msg and _16bit_names.search(msg) and _fp32_names.search(msg): e.add_note(_clash_note)

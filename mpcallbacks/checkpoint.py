@@ -16,7 +16,7 @@ import errno, shutil, math, numbers
 from .scaler import LossScaler
 from .distributed import fsdp_sharded
 from .fused import step_fused, skips_on_flag
-from .cast import masters_of
+
 
 # %% auto #0
 __all__ = ['scaler_key', 'OptimizerWithScaler', 'ScalerOptFunc', 'carry_scaler', 'drop_scaler', 'replacing_file']
@@ -66,8 +66,7 @@ class OptimizerWithScaler(GetAttr):
         except BaseException as e: self.interrupted = e # fastai's bare `except:` would swallow a Ctrl-C: `load_checked` raises it
 
 # %% ../nbs/05a_checkpoint.ipynb #9ce26ba7
-def _with_scaler(opt_func, scaler, params, **kwargs): # (built inside a forward, it steps the masters, not the forward's casts)
-    return OptimizerWithScaler(opt_func(masters_of(params), **kwargs), scaler)
+def _with_scaler(opt_func, scaler, params, **kwargs): return OptimizerWithScaler(opt_func(params, **kwargs), scaler)
 
 class ScalerOptFunc(partial):
     "A learner's `opt_func` whose optimizers carry `scaler`; pickled (in `learn.export`), it is the `opt_func` it wraps"

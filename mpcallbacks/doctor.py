@@ -16,7 +16,8 @@ from torch.nn.utils.parametrize import ParametrizationList, is_parametrized
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 from fastai.basics import Learner, patch, L
-from .cast import always_fp32, as_16bit_dtype, cast_model, cast_floats, cast_summary, kept_tops, keeps_fp32, check_castable, KeptFor, CastRole
+from .policy import always_fp32, cast_summary, kept_tops, keeps_fp32, check_castable, KeptFor
+from .cast import as_16bit_dtype, cast_model, cast_floats
 from .scaler import LossScaler
 from .callback import MasterMixedPrecision
 from .distributed import world_size
@@ -127,6 +128,7 @@ class PrecisionProbe:
         self.own = {} # (module, op) -> slot: the results of the module's own arithmetic, outside its children ('' the model's)
         self.own_largest = torch.zeros(0, device=self.device) # of their magnitudes, a slot per (module, op)
         self._pending = _queue()
+        self._ids = torch.arange(max(n_slots, 64), device=self.device) # indices, made on the device: views of it index the scatters (a list of Python ints would be a blocking copy to the device)
         self.failed = {} # name -> the error the module's 16-bit forward raised
         self.outs = [] # (name, output) of the batch being measured, for the backward
         self.makers,self._made = {},{} # name -> the modules whose arithmetic made its inputs ('' the model's); id(tensor) -> (that module, weakref), this batch
@@ -139,7 +141,7 @@ class PrecisionProbe:
         try:
             self.handles = [h for n in self.owns for h in (mods[n].register_forward_pre_hook(self._before(n)),
                                                            mods[n].register_forward_hook(self._after(n), with_kwargs=True))]
-            self.handles += [h for m in self.cast.kept for h in (m.register_forward_pre_hook(self._enter_kept),
+            self.handles += [h for m,p in self.cast.policy.values() if p.kind in ('kept', 'normalization') for h in (m.register_forward_pre_hook(self._enter_kept),
                                                                 m.register_forward_hook(self._leave_kept))]
         except BaseException:
             self.close()
@@ -158,8 +160,12 @@ class PrecisionProbe:
         for x in xs:
             bits = _plain(x).float().view(torch.int32) & 0x7fffffff # |x| as bits: its order is that of the magnitudes
             q['tops'].append(bits.max())
-            q['slots'].append(slot)
+            q['slots'].append(self._id(slot))
             q['es'].append(((bits >> 23) + slot * _nbins).flatten()) # the exponent field, in the slot's bins
+
+    def _id(self, i:int) -> Tensor: # `i` as a 1-element device tensor, a view of `_ids` (which doubles on the device when too short)
+        if i >= len(self._ids): self._ids = torch.arange(2 * i, device=self.device)
+        return self._ids[i:i+1]
 
     def _own(self, func, out) -> None:
         "Queue the largest magnitude `func` made, for the innermost measured module running it (not a kept one's, in FP32)"
@@ -171,7 +177,7 @@ class PrecisionProbe:
         try: tops = [_top(x) for x in xs]
         except RuntimeError: return # (a tensor whose bits cannot be viewed, as a functorch transform's: not counted, the forward goes on)
         self._pending['own_tops'] += tops
-        self._pending['own_slots'] += [self.own.setdefault((where, op), len(self.own))] * len(xs)
+        self._pending['own_slots'] += [self._id(self.own.setdefault((where, op), len(self.own)))] * len(xs)
         self._made.update({id(x):(where, weakref.ref(x)) for x in xs}) # (an in-place op: the module that wrote it last)
 
     def _maker(self, x:Tensor) -> str|None:
@@ -185,16 +191,16 @@ class PrecisionProbe:
         if q['es']:
             bins = torch.cat(q['es']).long() # (not `bincount`, which reads its largest input on the host to size its output)
             self.hist.index_add_(0, bins, torch.ones(len(bins), dtype=self.hist.dtype, device=self.device))
-            idx = torch.tensor(q['slots'], device=self.device)
+            idx = torch.cat(q['slots'])
             self.largest.scatter_reduce_(0, idx, torch.stack(q['tops']).view(torch.float32), 'amax')
         if q['errs']:
-            norms,idx = torch.stack(q['norms']).double().clamp_min(torch.finfo(torch.float64).tiny),torch.tensor(q['mods'], device=self.device)
+            norms,idx = torch.stack(q['norms']).double().clamp_min(torch.finfo(torch.float64).tiny),torch.cat(q['mods'])
             self.error.scatter_reduce_(0, idx, torch.stack(q['errs']).double() / norms, 'amax')
             self.kept_error.scatter_reduce_(0, idx, torch.stack(q['kept_errs']).double() / norms, 'amax')
         if q['own_tops']:
             grown = len(self.own) - len(self.own_largest) # (slots of ops first seen in this batch)
             self.own_largest = torch.cat([self.own_largest, self.own_largest.new_zeros(grown)])
-            self.own_largest.scatter_reduce_(0, torch.tensor(q['own_slots'], device=self.device),
+            self.own_largest.scatter_reduce_(0, torch.cat(q['own_slots']),
                                              torch.stack(q['own_tops']).view(torch.float32), 'amax')
         self._pending = _queue()
 
@@ -239,7 +245,7 @@ class PrecisionProbe:
     def _leave_kept(self, m, args, out):
         if self._rerunning: return
         self._running.pop()
-        if self.cast.roles[id(m)] is CastRole.FP32_INPUT: self._fp32.update({id(o):o for o in _floats(out)}) # (a norm's is 16-bit)
+        if self.cast.kinds.get(id(m)) == 'kept': self._fp32.update({id(o):o for o in _floats(out)}) # (a normalization's is 16-bit)
 
     def _rerun(self, name:str, m:nn.Module, args, kwargs, outs:list) -> None:
         """Rerun `m` in 16 bits on the same input, random state and attributes, and once more in FP32 on its inputs rounded to
@@ -249,15 +255,15 @@ class PrecisionProbe:
         def inputs(f): # copies (a rerun may write its inputs in place: an inplace dropout), each as `f` makes it unless made in FP32
             return tree_map(lambda x: x if not isinstance(x, Tensor) or not x.is_floating_point() else
                             x.detach().clone() if id(x) in self._fp32 else f(x.detach()), (args, kwargs))
-        sixteen = self.owns[name] in ('computes', 'normalizes') # (the cast casts the inputs of the others)
-        (args,kwargs),rounded = inputs(lambda x: x.to(self.dtype) if sixteen else x.clone()),inputs(lambda x: x.to(self.dtype).float())
+        (args,kwargs),rounded = inputs(lambda x: x.to(self.dtype)),inputs(lambda x: x.to(self.dtype).float()) # (as 16-bit ops hand them on)
         self._rerunning = True
         try:
             _set_rng_state(rng, dev)
             _set_attrs(attrs)
             self.cast.begin()
-            with torch.no_grad(): out16 = _floats(m(*args, **kwargs))
-            self.cast.active = False
+            try:
+                with torch.no_grad(): out16 = _floats(m(*args, **kwargs))
+            finally: self.cast.end()
             _set_rng_state(rng, dev)
             _set_attrs(attrs)
             with torch.no_grad(): kept = _floats(m(*rounded[0], **rounded[1]))
@@ -265,7 +271,7 @@ class PrecisionProbe:
             self.failed[name] = e
             return
         finally:
-            self.cast.active,self._rerunning = False,False # (not `end()`: the casts serve the next modules of the batch)
+            self._rerunning = False
             _set_rng_state(now[0], dev)
             _set_attrs(now[1]) # as the FP32 forward left them
         if any(len(o) != len(outs) or any(a.shape != b.shape for a,b in zip(o, outs)) for o in (out16, kept)):
@@ -275,7 +281,7 @@ class PrecisionProbe:
         self._pending['errs'].append(diff(out16))
         self._pending['kept_errs'].append(diff(kept))
         self._pending['norms'].append(torch.linalg.vector_norm(torch.cat([_plain(b).float().flatten() for b in outs])))
-        self._pending['mods'].append(self.index[name])
+        self._pending['mods'].append(self._id(self.index[name]))
 
     def measure(self,
         xb:tuple, # The model's inputs

@@ -10,7 +10,7 @@ import inspect, warnings
 from contextlib import ExitStack
 from functools import wraps
 from fastai.basics import * # and no more of fastai: its `callback.progress` would add a progress bar to every learner
-from .cast import check_castable, unmatched_names, cast_summary
+from .policy import check_castable, unmatched_names, cast_summary
 from .callback import MasterMixedPrecision, check_no_fastai_fp16
 from . import checkpoint, doctor # (each adds its `Learner` methods: the checkpoint helpers, `precision_report`)
 

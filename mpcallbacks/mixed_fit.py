@@ -6,7 +6,7 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/mixed_fit.html.md"""
 
 # %% ../nbs/03a_mixed_fit.ipynb #64a94fc7
 from __future__ import annotations
-import math, warnings
+import math, sys, warnings
 from contextlib import contextmanager
 from typing import Callable
 from enum import Enum
@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 from fastai.basics import Learner
 from fastai.callback.core import CancelStepException, CancelFitException
-from .cast import cast_model, warn_if_slow, _user_stacklevel
+from .cast import cast_model, warn_if_slow, _user_stacklevel, _note_dtype_clash
 from .master import MasterParams, GradPhase
-from .distributed import RankAgreement, fsdp_sharded, local_tensor
+from .distributed import RankAgreement, local_tensor
 from .scaler import LossScaler, NonFiniteGradients, InFlightFlag
 
 # %% auto #0
@@ -95,10 +95,11 @@ class MixedFit:
 
     def _drop(self) -> None: # Nothing of a fit held between fits
         self.learn = self.grads = self.ranks = self.dtype = self.keep = None
-        self.sharded = self.per_pass = False # (for each fit: whether FSDP2 casts the model, whether each validation pass casts)
+        self.per_pass = False # (for each fit: whether each validation pass casts, outside a fit)
         self.cast = None # (last: a close an interrupt cut short before this line restores it again)
         self.nested = 0 # `before_fit`s dispatched inside this one (`get_preds` from a callback): their `after_fit` is not the end
-        self._outer = [] # whether casting was on when each running validation pass began
+        self._regions = [] # whether each running batch's forward region is still open, outermost first
+        self._passes = [] # how many batches were running when each running validation pass began
 
     def _to(self, phase:FitPhase) -> None:
         if phase not in self.phase.next: raise RuntimeError(f"MixedFit cannot go from {self.phase.name} to {phase.name}")
@@ -122,14 +123,13 @@ class MixedFit:
             self.close() # left by a `with learn:` whose end never came
         fit = bool(self.fits) if fit is None else fit
         if callable(dtype): dtype = dtype(next(learn.model.parameters()).device) # (fastai's `before_fit` moved the model to its device)
-        sharded = fsdp_sharded(learn.model) # FSDP2's `MixedPrecisionPolicy` casts a sharded model's forward: we never do
         self._to(FitPhase.FITTING if fit else FitPhase.INFERRING) # (first: from here on, `close` undoes whatever follows)
         try:
-            self.learn,self.dtype,self.keep,self.sharded,self.stopped_by = learn,dtype,keep,sharded,None
+            self.learn,self.dtype,self.keep,self.stopped_by = learn,dtype,keep,None
             self.fit_start,self.skip_loss = (len(self.scaler.history), self.scaler.skipped) if fit else None,None
-            self.per_pass = per_pass and not fit and not sharded
+            self.per_pass = per_pass and not fit
             self.grads,self.ranks = MasterParams([]),RankAgreement()
-            if fit and not sharded: self.cast = cast_model(learn.model, dtype, keep) # The model's cast for the forward
+            if fit: self.cast = cast_model(learn.model, dtype, keep) # The model's 16-bit forward (FSDP2 casts a sharded one's parameters too)
             if fit or per_pass: warn_if_slow(dtype, self.device)
         except BaseException: # nothing of a fit that did not start stays behind (an interrupt, an error, a warning made an error)
             self.close()
@@ -155,7 +155,7 @@ class MixedFit:
 
     def start_training(self) -> None:
         "Cast the model if nothing did yet, and follow the optimizer's parameters (a new optimizer, `freeze`/`unfreeze`)"
-        if self.cast is None and not self.sharded: self.cast = cast_model(self.learn.model, self.dtype, self.keep)
+        if self.cast is None: self.cast = cast_model(self.learn.model, self.dtype, self.keep)
         if self.phase is FitPhase.INFERRING: # (fastai's own `fit`, unwrapped)
             self._to(FitPhase.FITTING)
             self.fit_start,self.skip_loss = (len(self.scaler.history), self.scaler.skipped),None
@@ -169,30 +169,38 @@ class MixedFit:
         return self.cast.device if self.cast is not None else next(self.learn.model.parameters()).device
 
     def begin_batch(self) -> None:
-        "A training batch: its forwards cast (by FSDP2, for a sharded model)"
+        "`before_batch`: the batch's forward runs in 16 bits (every batch of a fit, and of a 16-bit inference pass): its region opens"
+        self._regions.append(self.cast is not None)
         if self.cast is not None: self.cast.begin()
 
+    def end_forward(self) -> None:
+        "`after_pred`: the batch's forward is over and its region closes: the loss, the backward and the step run as written"
+        if self._regions and self._regions[-1]:
+            self._regions[-1] = False
+            self.cast.end()
+
     def end_batch(self) -> None:
-        "Between batches: forwards run in FP32, and the casts are freed"
-        if self.cast is not None: self.cast.end()
-        self._outer = []
-        if self.per_pass and self.cast is not None: self.cast,cast = None,self.cast; cast.restore() # (a pass a batch's error cut short)
+        "`after_batch`: the batch is over (or was cut short), its region closed"
+        self.end_forward()
+        if self._regions: self._regions.pop()
+
+    def end_batches(self,
+        depth:int=0, # How many batches that began before stay running
+    ) -> None:
+        "A phase is over (maybe cut short by a cancelled epoch or training): the batches it left running end"
+        while len(self._regions) > depth: self.end_batch()
 
     def begin_validation(self) -> None:
-        "A validation pass casts once for all its batches (if this fit casts)"
-        # 16-bit inference casts here, not at `before_fit`: an entry point whose `before_fit` or `before_epoch` raises (a
-        # callback's error; fastai then never dispatches `after_fit`) has registered nothing
+        "`before_validate`: 16-bit inference registers the model's forward for the pass"
+        # (here, not at `before_fit`: an entry point whose `before_fit` or `before_epoch` raises, a callback's error after
+        # which fastai never dispatches `after_fit`, has registered nothing)
         if self.cast is None and self.per_pass: self.cast = cast_model(self.learn.model, self.dtype, self.keep)
-        if self.cast is None: return
-        self._outer.append(self.cast.active)
-        self.cast.begin()
+        self._passes.append(len(self._regions))
 
     def end_validation(self) -> None:
-        "The pass is over: casting back to what it was before it (on, for a pass inside a training batch)"
-        if self.cast is None: return
-        self.cast.end()
-        if self._outer and self._outer.pop(): self.cast.begin()
-        elif self.per_pass and not self._outer: self.cast,cast = None,self.cast; cast.restore() # (and an `after_epoch` that raises cannot keep it)
+        "`after_validate`: the pass's batches are over; 16-bit inference lets the model go (and an `after_epoch` that raises cannot keep it)"
+        self.end_batches(self._passes.pop() if self._passes else 0)
+        if self.per_pass and not self._passes and self.cast is not None: self.cast,cast = None,self.cast; cast.restore()
 
     # The step, as `torch.amp.GradScaler` takes it: scale, unscale and check, step or skip, update.
     def scale(self,
@@ -233,7 +241,6 @@ class MixedFit:
         if self.grads.phase is not GradPhase.STEPPING: return
         found_inf = False if self.grads.guard is None else self.grads.guard
         self.grads.stepped()
-        if self.cast is not None: self.cast.drop_casts()
         # (a guarded step's flag is read once it has landed on the host, on a CPU at once; until the fit's first skip is
         # known, the step's loss travels with it, to say whether that loss was itself non-finite with no read of its own)
         self._stop_on_storm(self.scaler.update, found_inf, self._carried_loss() if isinstance(found_inf, Tensor) else None)
@@ -314,6 +321,7 @@ class MixedFit:
                 if self.grads.phase is GradPhase.SCALED: self.grads.skip()
             self.scaler.settle()
         finally:
+            _note_dtype_clash(sys.exc_info()[1]) # (the error a forward raised, if that is what ends the fit)
             if self.cast is not None: self.cast.restore() # (idempotent: the masters in every slot, no hook of ours)
         self._drop()
         self._to(FitPhase.IDLE)

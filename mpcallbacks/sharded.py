@@ -11,7 +11,8 @@ from contextlib import contextmanager
 from types import MethodType
 from fastai.basics import *
 import copy # (after fastai's star import, which brings `copy.copy` in as `copy`)
-from .cast import always_fp32, kept_tops, kept_role, CastRole
+from torch.nn.utils.parametrize import ParametrizationList
+from .policy import always_fp32, model_policy
 from .callback import MasterMixedPrecision
 from .distributed import fsdp_sharded
 from .checkpoint import replacing_file
@@ -64,16 +65,15 @@ def _check_shard_arguments(
         raise TypeError(f"reshard_after_forward must be True or False, got {type(reshard_after_forward).__name__} {reshard_after_forward!r}")
 
 # %% ../nbs/08_sharded.ipynb #39973555
-def _kept_units(model, keep) -> list:
-    "The outermost modules that stay in FP32 and hold parameters, as the one-device cast keeps them (the root aside)"
-    return [m for m in kept_tops(model, keep) if m is not model and any(True for _ in m.parameters())]
+def _kept_units(model, dtype, keep) -> list: # [(module, its `ModulePolicy`)]
+    "The outermost modules that stay in FP32 and hold parameters, by the one-device policy (the root and parametrizations aside)"
+    return [(m,p) for m,p in model_policy(model, dtype, keep).values() if p.kind in ('normalization', 'kept') and m is not model
+            and not isinstance(m, ParametrizationList) and any(True for _ in m.parameters())]
 
-def _kept_policy(m, dtype, Policy):
-    "The FP32 unit's policy: its inputs and output as `ModelCast` gives them (its role), so that sharded and one-device forwards agree"
-    f32,role = torch.float32,kept_role(m)
-    if role is CastRole.PLAIN: return Policy(param_dtype=f32, reduce_dtype=f32, cast_forward_inputs=False) # kernel takes 16-bit input
-    if role is CastRole.FP32_NORM: return Policy(param_dtype=f32, reduce_dtype=f32, output_dtype=dtype) # FP32 in, 16 bits out
-    return Policy(param_dtype=f32, reduce_dtype=f32) # kept by the user: FP32 in, FP32 out (a head predicts in FP32)
+def _kept_policy(p, dtype, Policy):
+    "FSDP2's policy for a unit that stays FP32: its parameters and inputs in FP32, with or without autocast around; a normalization hands 16 bits on"
+    f32 = torch.float32
+    return Policy(param_dtype=f32, reduce_dtype=f32, output_dtype=dtype if p.kind == 'normalization' else None)
 
 def shard_model(
     model:nn.Module, # An FP32 model, the same on every rank
@@ -89,12 +89,12 @@ def shard_model(
     _check_shard_arguments(units, mesh, reshard_after_forward, model)
     f32 = torch.float32
     mp = Policy(param_dtype=dtype, reduce_dtype=f32) if dtype else Policy()
-    kept = _kept_units(model, keep) if dtype else []
-    inside_kept = {id(m) for k in kept for m in k.modules()}
+    kept = _kept_units(model, dtype, keep) if dtype else []
+    inside_kept = {id(m) for k,_ in kept for m in k.modules()}
     units = default_units(model) if units is None else list(units)
     order = {id(m):i for i,m in enumerate(model.modules())}
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
-    for m in kept: fully_shard(m, mp_policy=_kept_policy(m, dtype, Policy), **kw)
+    for m,p in kept: fully_shard(m, mp_policy=_kept_policy(p, dtype, Policy), **kw)
     for m in sorted(units, key=lambda m: -order[id(m)]): # the innermost first: a unit takes what its inner units left
         if id(m) not in inside_kept and m is not model: fully_shard(m, mp_policy=mp, **kw)
     return fully_shard(model, mp_policy=mp, **kw)

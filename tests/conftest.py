@@ -26,3 +26,6 @@ def cuda_rules(request):
     marker = request.node.get_closest_marker('cpu_rules')
     off = set(marker.args) if marker and marker.args else {'kernels', 'memory', 'flatten', 'flags'} if marker else set()
     with like_cuda({'kernels', 'memory', 'flatten', 'flags'} - off): yield
+    on = [d for d in ('cpu', 'cuda') if torch.is_autocast_enabled(d)]
+    for d in on: torch.set_autocast_enabled(d, False) # (so that the next test starts as every test does)
+    assert not on, f"the test left autocast on for {on}"

@@ -43,14 +43,11 @@ def assert_at_rest(learn, hooks=None):
     before = hooks if hooks is not None else {n:([], []) for n in now}
     left = {n:h for n,h in now.items() if h != before.get(n, ([], []))}
     assert not left, f"hooks left on {sorted(left)}"
-    from torch.nn.modules import module as tm
-    from mpcallbacks import cast
-    ours = [m for m in learn.model.modules() if id(m) in cast._by_module]
-    assert not ours, f"modules left in mpcallbacks' registry of cast models: {[type(m).__name__ for m in ours][:3]}"
-    if not cast._by_module: # torch's global registries: our hooks go with the last cast model
-        left = [h for d in (tm._global_forward_pre_hooks, tm._global_forward_hooks) for h in d.values()
-                if getattr(h, '__module__', '') == 'mpcallbacks.cast']
-        assert not left, f"mpcallbacks' global hooks left registered: {left}"
+    from mpcallbacks.cast import cast_holding
+    ours = [m for m in learn.model.modules() if cast_holding(m) is not None]
+    assert not ours, f"modules left in a registered cast: {[type(m).__name__ for m in ours][:3]}"
+    on = [d for d in ('cpu', 'cuda') if torch.is_autocast_enabled(d)]
+    assert not on, f"autocast left on for {on}"
     assert learn.lock.acquire(blocking=False), "learn.lock is still held: the next get_preds/validate would hang"
     learn.lock.release()
 
@@ -82,15 +79,20 @@ class RaiseOnce(Callback):
         raise self.exc
 
 class ForwardDtypes(Callback):
-    "The dtypes each module's own parameters and buffers have inside the forward (where the 16-bit casts live), by name"
+    "Inside the forward, by name: the dtypes of each module's own parameters and buffers in their slots (`seen`), and of its output (`outs`, what it computed in)"
     order = 50
-    def __init__(self): self.seen = {}
+    def __init__(self): self.seen,self.outs = {},{}
     def before_fit(self):
         def look(name):
             def f(m, args):
                 for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
                     self.seen.setdefault(f'{name}.{n}' if name else n, set()).add(t.dtype)
             return f
-        self.handles = [m.register_forward_pre_hook(look(n)) for n, m in self.learn.model.named_modules() if n]
+        def out(name):
+            def f(m, args, o):
+                if isinstance(o, torch.Tensor) and o.is_floating_point(): self.outs.setdefault(name, set()).add(o.dtype)
+            return f
+        ms = [(n, m) for n, m in self.learn.model.named_modules() if n]
+        self.handles = [m.register_forward_pre_hook(look(n)) for n, m in ms] + [m.register_forward_hook(out(n)) for n, m in ms]
     def after_fit(self):
         for h in self.handles: h.remove()

@@ -203,19 +203,20 @@ def test_family_trains_as_in_fp32(name, make, epochs, lr, rtol, cos_min):
     if name == 'wgan': assert_gan_like_fp32(ref, mix, clip=0.01, lr=lr, cos_min=cos_min)
     else: assert_like_fp32(ref, mix, loss_rtol=rtol, cos_min=cos_min)
 
-class ConvWeightFormat(Callback):
-    "The first conv weight's dtype and whether it is channels-last, as the forward of each training batch sees it"
+class ConvFormat(Callback):
+    "The first conv's weight (the master in its slot) and what it computed in, as each training batch's forward sees them"
     def __init__(self): self.seen = []
-    def before_fit(self): self.hook = self.learn.model[0][0].register_forward_pre_hook(self.look)
-    def look(self, m, args):
-        if self.training: self.seen.append((m.weight.dtype, m.weight.is_contiguous(memory_format=torch.channels_last)))
+    def before_fit(self): self.hook = self.learn.model[0][0].register_forward_hook(self.look)
+    def look(self, m, args, out):
+        cl = torch.channels_last
+        if self.training: self.seen.append((m.weight.dtype, m.weight.is_contiguous(memory_format=cl), out.dtype, out.is_contiguous(memory_format=cl)))
     def after_fit(self): self.hook.remove()
 
-def test_channels_last_copies_and_masters_keep_the_memory_format():
-    "The 16-bit copies the forward uses are channels-last, as are the FP32 masters the fit leaves, as in FP32 with `ChannelsLast`"
-    look = ConvWeightFormat()
+def test_channels_last_masters_and_16bit_convolutions_keep_the_memory_format():
+    "Autocast's 16-bit casts of channels-last masters compute channels-last, and the FP32 masters the fit leaves are channels-last, as in FP32 with `ChannelsLast`"
+    look = ConvFormat()
     mix = fit_once(make_resnet_channels_last, BF16, 1, 1e-3, cbs=[look])
-    assert look.seen and set(look.seen) == {(torch.bfloat16, True)}, look.seen
+    assert look.seen and set(look.seen) == {(torch.float32, True, torch.bfloat16, True)}, look.seen
     w = mix.learn.model[0][0].weight
     assert w.dtype == torch.float32 and w.is_contiguous(memory_format=torch.channels_last)
 

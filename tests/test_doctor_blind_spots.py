@@ -7,7 +7,7 @@ import pytest, torch
 from torch import nn
 from torch._dynamo.utils import counters
 import mpcallbacks.all # noqa: F401 (`Learner.to_mixed`, `Learner.precision_report`)
-from mpcallbacks.cast import KeptFor
+from mpcallbacks.policy import KeptFor
 from mpcallbacks.scaler import NonFiniteGradients
 from mpcallbacks.test_utils import synth_learner
 from like_fp32 import fit_once

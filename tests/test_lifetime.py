@@ -1,6 +1,7 @@
 """A fit's lifetime has one owner, `MixedFit`: its close cannot half-happen, and nothing of a fit outlives it, whatever
 fails: an optimizer built inside a forward, an export that fails, a Ctrl-C inside the close itself."""
-import pickle, torch
+import gc, pickle, weakref, torch
+from torch.utils._python_dispatch import TorchDispatchMode
 import pytest
 from torch import nn
 from fastai.basics import Callback
@@ -39,27 +40,34 @@ def test_a_failed_export_gives_the_learner_back(tmp_path, monkeypatch):
     assert learn.opt is opt and len(learn.dls.train) == n_batches # the optimizer with its state, the data
     assert_fp32_and_intact(learn)
 
+def kept_learner():
+    "A learner whose model has hooked modules: two layers kept in FP32, two hooks each"
+    learn = synth_learner()
+    torch.manual_seed(0)
+    learn.model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(512, 16),
+                                nn.ReLU(), nn.Linear(16, 2))
+    return learn.to_mixed(torch.bfloat16, keep_fp32=['0', '6'])
+
 @pytest.mark.parametrize('k', range(1, 5))
 def test_a_ctrl_c_inside_the_close_finishes_it_before_it_is_raised(k, monkeypatch):
-    "A Ctrl-C at the k-th slot write of the cast's restore (the close at the end of the fit): the close completes, then it is raised"
-    learn = synth_learner().to_mixed(torch.bfloat16)
-    put, n = ModelCast._put, [0]
-    def put_interrupted(self, tensors):
-        if tensors is not self.masters or not getattr(self, 'restoring', False) or n[0] >= k: return put(self, tensors)
-        for m, name, i in self.slots: # the slot writes, one by one: the k-th of this close is interrupted
+    "A Ctrl-C at the k-th hook removal of the cast's restore (the close at the end of the fit): the close completes, then it is raised"
+    from torch.utils.hooks import RemovableHandle
+    learn = kept_learner()
+    remove, restore, n, restoring = RemovableHandle.remove, ModelCast.restore, [0], [False]
+    def remove_interrupted(self):
+        if restoring[0]:
             n[0] += 1
             if n[0] == k: raise KeyboardInterrupt
-            m._parameters[name] = tensors[i]
-        return put(self, tensors)
-    restore = ModelCast.restore
+        return remove(self)
     def restore_marked(self):
-        self.restoring = True
+        restoring[0] = True
         try: restore(self)
-        finally: self.restoring = False
-    monkeypatch.setattr(ModelCast, '_put', put_interrupted)
+        finally: restoring[0] = False
+    monkeypatch.setattr(RemovableHandle, 'remove', remove_interrupted)
     monkeypatch.setattr(ModelCast, 'restore', restore_marked)
     with pytest.raises(KeyboardInterrupt): learn.fit(1, 1e-2)
     monkeypatch.undo()
+    assert n[0] > k # the close went on after the interrupt
     assert learn.master_mixed_precision.fit_state is None # closed, and dropped only then
     assert_fp32_and_intact(learn)
 
@@ -74,7 +82,7 @@ def test_a_learner_dropped_after_a_failed_inference_call_frees_its_model():
     model = weakref.ref(learn.model)
     del learn; gc.collect()
     assert model() is None
-    assert not cast._by_module
+    assert not cast._casting
 
 class PhaseLog(Callback):
     "The phase of the learner's `MixedFit` at each event, and what a `get_preds` from inside the fit sees"
@@ -125,7 +133,7 @@ def test_a_close_cut_short_is_completed_by_the_next_call(monkeypatch):
     with pytest.raises(RuntimeError, match='boom'): learn.fit(1, 1e-2)
     mf = learn.master_mixed_precision.mixed_fit
     assert mf.phase is FitPhase.CLOSING
-    assert not [m for m in learn.model.modules() if id(m) in cast._by_module] # (the cast went back in a `finally`)
+    assert not [m for m in learn.model.modules() if cast.cast_holding(m) is not None] # (the cast went back in a `finally`)
     learn.get_preds() # completes the close first, then runs
     assert mf.phase is FitPhase.IDLE and len(calls) >= 3
     assert_fp32_and_intact(learn)
@@ -139,55 +147,80 @@ def test_phases_move_only_along_their_transitions():
     mf.close() # closing an idle fit is nothing
     assert mf.phase is FitPhase.IDLE
 
-def test_a_ctrl_c_while_the_cast_registers_leaves_no_global_hook(monkeypatch):
-    "A Ctrl-C after torch's global hooks are registered and before the cast's modules are: neither stays"
-    class Interrupted(dict):
-        def update(self, *args, **kwargs): raise KeyboardInterrupt
-    learn = synth_learner().to_mixed(torch.bfloat16)
-    monkeypatch.setattr(cast, '_by_module', Interrupted())
+@pytest.mark.parametrize('at', ['registry', 'second hook'])
+def test_a_ctrl_c_while_the_cast_registers_leaves_nothing_registered(at, monkeypatch):
+    "A Ctrl-C as the cast takes the model's modules, or between two of its hooks: none stays"
+    learn = kept_learner()
+    if at == 'registry':
+        class Interrupted(dict):
+            def update(self, *args, **kwargs): raise KeyboardInterrupt
+        monkeypatch.setattr(cast, '_casting', Interrupted())
+    else:
+        register, n = nn.Module.register_forward_hook, [0]
+        def interrupted(self, *args, **kwargs):
+            n[0] += 1
+            if n[0] == 2: raise KeyboardInterrupt
+            return register(self, *args, **kwargs)
+        monkeypatch.setattr(nn.Module, 'register_forward_hook', interrupted)
     with pytest.raises(KeyboardInterrupt): learn.fit(1, 1e-2)
     monkeypatch.undo()
-    assert_at_rest(learn) # (torch's global hook registries included)
+    assert_at_rest(learn)
     assert_fp32_and_intact(learn)
 
-class CastsAfterTheStep(Callback):
-    "Weak references to the forward's 16-bit casts at `after_backward`, and whether any is alive once the batch is over"
-    order = MasterMixedPrecision.order + 1
-    def __init__(self): self.alive = []
-    def after_backward(self):
-        import weakref
-        self.refs = [weakref.ref(c) for c in self.learn.master_mixed_precision.fit_state.cast._casts[2]]
-    def after_batch(self):
-        import gc
-        gc.collect()
-        if self.training: self.alive.append(sum(r() is not None for r in self.refs))
+class Casts16(TorchDispatchMode):
+    "Weak references to every 16-bit cast of a parameter made while active (autocast's in the ops, the recurrent hooks')"
+    def __init__(self, params): super().__init__(); self.params,self.refs = {id(p) for p in params},[]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.params and out.dtype == torch.bfloat16:
+            self.refs.append(weakref.ref(out))
+        return out
 
-def test_no_16bit_cast_outlives_its_step():
+class CastsAfterTheStep(Callback):
+    "Whether any 16-bit cast of a parameter made in a training batch is alive once the batch is over"
+    order = MasterMixedPrecision.order + 1
+    def __init__(self): self.alive,self.made = [],0
+    def before_batch(self):
+        if self.training: self.mode = Casts16(self.learn.model.parameters()).__enter__()
+    def after_batch(self):
+        if not self.training: return
+        self.mode.__exit__(None, None, None)
+        gc.collect()
+        self.made += len(self.mode.refs)
+        self.alive.append(sum(r() is not None for r in self.mode.refs))
+
+class LSTMNet(nn.Module):
+    def __init__(self): super().__init__(); self.lstm,self.head = nn.LSTM(8, 16, batch_first=True),nn.Linear(16, 2)
+    def forward(self, x): return self.head(self.lstm(x.view(-1, 8, 8))[0][:, -1])
+
+@pytest.mark.parametrize('model', [None, LSTMNet], ids=['cnn', 'lstm'])
+def test_no_16bit_cast_outlives_its_step(model):
     "Between steps the model holds 12 bytes per parameter: fastai keeps `learn.pred` and `learn.loss_grad` (and their graph) until the next batch, and nothing on that graph keeps a cast alive"
-    learn = synth_learner().to_mixed(torch.bfloat16)
+    learn = synth_learner()
+    if model is not None: learn.model = model()
+    learn.to_mixed(torch.bfloat16)
     spy = CastsAfterTheStep()
     learn.fit(1, 1e-2, cbs=spy)
-    assert spy.alive and set(spy.alive) == {0}, spy.alive
+    assert spy.made and spy.alive and set(spy.alive) == {0}, spy.alive
 
 class LargeCastFreedInTheBackward(Callback):
     "Whether the forward's cast of a large weight is alive once the backward has accumulated that weight's FP32 gradient"
     order = MasterMixedPrecision.order + 1
     def __init__(self): self.alive_at_grad = []
     def before_fit(self):
-        w = self.learn.model[3].weight # (65,536 elements: a cast of its own)
-        self.handle = w.register_post_accumulate_grad_hook(lambda p: self.alive_at_grad.append(self.ref() is not None))
+        w = self.learn.model[3].weight # (65,536 elements)
+        self.handle = w.register_post_accumulate_grad_hook(lambda p: self.alive_at_grad.append(any(r() is not None for r in self.mode.refs)))
+    def before_batch(self):
+        if self.training: self.mode = Casts16([self.learn.model[3].weight]).__enter__()
     def after_pred(self):
-        import weakref
-        mc = self.learn.master_mixed_precision.fit_state.cast
-        i = next(i for i,p in enumerate(mc.masters) if p is self.learn.model[3].weight)
-        if self.training: self.ref = weakref.ref(mc._casts[2][i])
+        if self.training: self.mode.__exit__(None, None, None)
     def after_fit(self): self.handle.remove()
 
 class OwnLinear(nn.Linear):
-    "A layer of the user's own: its weight is cast by the cast's own autograd node, not by autocast in the op"
+    "A layer of the user's own, a subclass of torch's Linear"
 
 def test_a_large_cast_is_freed_once_its_gradient_is_made():
-    "The backward frees each large cast as it makes its master's gradient, so that the FP32 gradients still to come reuse its memory (held to the end of the step, every step faulted in 32 MiB of fresh memory on a wide MLP)"
+    "The backward frees each weight's cast as it makes its master's gradient, so that the FP32 gradients still to come reuse its memory"
     learn = synth_learner()
     torch.manual_seed(0)
     learn.model = nn.Sequential(nn.Flatten(), nn.Linear(64, 256), nn.ReLU(), OwnLinear(256, 256), nn.ReLU(), nn.Linear(256, 2))

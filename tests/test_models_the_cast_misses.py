@@ -195,22 +195,25 @@ def test_a_scripted_model_is_refused_at_to_mixed_and_scripting_after_training_wo
     with torch.no_grad(): test = torch.jit.script(learn.model)(x), learn.model(x)
     assert test[0].dtype == torch.float32 and torch.equal(*test)
 
-# ---- what a callback's forward at `after_batch` computes in, by its order
+# ---- what a callback's forward computes in, by its event and order
 
-@pytest.mark.parametrize('order,dtype', [(0, torch.bfloat16), (20, torch.float32)], ids=['before_ours', 'after_ours'])
-def test_a_forward_at_after_batch_is_16bit_before_the_callback_and_fp32_after_it(order, dtype):
-    "As the docs say: the training batch's casting ends at the callback's own `after_batch` (order 10); the parameters are the masters at both"
+@pytest.mark.parametrize('event,order,dtype', [('after_pred', 0, torch.bfloat16), ('after_pred', 20, torch.float32),
+                                                ('after_batch', 0, torch.float32), ('after_batch', 20, torch.float32)],
+                         ids=['after_pred_before_ours', 'after_pred_after_ours', 'after_batch_before_ours', 'after_batch_after_ours'])
+def test_a_callbacks_forward_is_16bit_inside_the_batchs_region_only(event, order, dtype):
+    "As the docs say: a batch's region ends at the callback's own `after_pred` (order 10); the parameters are the masters throughout"
     seen = []
     class Sample(Callback):
-        def after_batch(self):
+        def look(self):
             if not self.training: return
             with torch.no_grad(): seen.append((self.learn.model(self.xb[0]).dtype, not_fp32(self.learn.model)))
     s = Sample(); s.order = order
+    setattr(s, event, s.look)
     learn = quiet(make_learner(mlp)()).to_mixed(torch.bfloat16)
     learn.fit(1, 1e-2, cbs=[s])
     assert seen and all(o == (dtype, []) for o in seen), seen[:3]
 
-# ---- the casts a backward holds go back however it ends
+# ---- a backward that raises leaves the masters as they are (they never left their slots)
 
 class RaisesInBackward(nn.Module):
     "The first training backward raises, after the casts were put in for it"
@@ -222,7 +225,7 @@ class RaisesInBackward(nn.Module):
         if self.training and torch.is_grad_enabled() and not self.raised:
             self.raised = True
             def boom(g):
-                self.held = self.lin.weight.dtype # (the backward holds the casts)
+                self.held = self.lin.weight.dtype # (the backward finds the masters in the slots)
                 raise RuntimeError('raised in the backward')
             h.register_hook(boom)
         return self.head(torch.relu(h))
@@ -230,5 +233,5 @@ class RaisesInBackward(nn.Module):
 def test_a_backward_that_raises_leaves_the_masters_in_their_slots():
     learn = quiet(make_learner(RaisesInBackward)()).to_mixed(torch.bfloat16)
     with pytest.raises(RuntimeError, match='raised in the backward'): learn.fit(1, 1e-2)
-    assert learn.model.held == torch.bfloat16
+    assert learn.model.held == torch.float32
     assert_fp32_and_intact(learn)

@@ -10,7 +10,7 @@ import pytest, torch
 from torch import nn
 from fastai.basics import Learner, CrossEntropyLossFlat, SGD, set_seed
 import mpcallbacks.all # noqa: F401 (`Learner.to_mixed`, `Learner.precision_report`)
-from mpcallbacks.cast import KeptFor
+from mpcallbacks.policy import KeptFor
 from mpcallbacks.scaler import NonFiniteGradients
 from mpcallbacks.digits import digits_cnn, digits_dls
 from mpcallbacks.test_utils import synth_learner, count_syncs
@@ -159,16 +159,15 @@ def test_a_layer_sensitive_in_bfloat16_is_kept():
 
 # ---- a forward that mixes dtypes: torch's orthogonal parametrization
 
-def test_orthogonal_fails_plain_and_auto_keeps_it_in_fp32():
-    with pytest.raises(RuntimeError, match='dtype'): fit_once(orthogonal_learner, dict(dtype=torch.bfloat16), epochs=1)
-    rep = orthogonal_learner().precision_report(torch.bfloat16)
-    assert rep.module[0] == '1' and rep.reason[0].startswith('its forward mixes dtypes'), rep[['module', 'verdict', 'reason']]
+def test_orthogonal_parametrization_runs_in_fp32_and_trains_as_in_fp32():
+    "A parametrization computes its weight in FP32 (an orthogonal matrix's exponential in 16 bits is not orthogonal): as FP32 trains, with nothing to flag"
     ref = fit_once(orthogonal_learner, None, epochs=3)
-    auto,said = fit_auto(orthogonal_learner, dict(dtype=torch.bfloat16, keep_fp32='auto'), epochs=3)
-    assert rel(auto.mean_loss(False, 4), ref.mean_loss(False, 4)) < 0.02
-    assert len(said) == 1 and '`1` (its forward mixes dtypes' in said[0], said
-    s = auto.learn.mixed_summary().set_index('module')
-    assert s.why['1'] == 'auto: forward mixes dtypes' and s.forward['3'] == 'bfloat16', s
+    mix = fit_once(orthogonal_learner, dict(dtype=torch.bfloat16), epochs=3)
+    assert rel(mix.mean_loss(False, 4), ref.mean_loss(False, 4)) < 0.02
+    s = mix.learn.mixed_summary().set_index('module')
+    assert s.why['1.parametrizations.weight'] == 'parametrization' and s.forward['3'] == 'bfloat16', s
+    rep = orthogonal_learner().precision_report(torch.bfloat16)
+    assert set(rep.verdict) == {'fine'}, rep[['module', 'verdict', 'reason']]
 
 # ---- benign models: nothing flagged, nothing changed
 
@@ -198,7 +197,7 @@ def test_auto_is_validated_and_measures_once():
         warnings.simplefilter('always')
         learn = gain_learner().to_mixed(torch.float16, keep_fp32=['auto', nn.ReLU])
     assert not [x for x in w if 'matches no module' in str(x.message)] # 'auto' is not a name pattern
-    assert learn.mixed_summary().set_index('module').why['1.lin'] == 'cast' # decided at the first fit
+    assert learn.mixed_summary().set_index('module').why['1.lin'] == 'autocast' # decided at the first fit
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
         learn.fit(1, 1e-2)

@@ -156,9 +156,10 @@ class Probe(Callback):
     def before_fit(self):
         self._record('before_fit')
         self.hook = self.model[0].register_forward_hook(self._in_forward)
-    def _in_forward(self, m, args, out): # inside the forward: the 16-bit cast of the master
+    def _in_forward(self, m, args, out): # inside the forward: the master itself, autocast's 16-bit cast in its op
         if not self.training: self._record('validate')
-        self.seen['synced'].add(torch.equal(m.weight.detach(), self.opt.param_lists[0][0].detach().to(m.weight.dtype)))
+        self.seen['conv_out'].add(out.dtype)
+        self.seen['synced'].add(m.weight is self.opt.param_lists[0][0])
     def after_fit(self): self.hook.remove()
     def after_pred(self):
         self.seen['pred'].add(self.pred.dtype)
@@ -183,7 +184,7 @@ def test_dtypes_during_fit(dtype, opt_func):
     probe = Probe()
     learn.fit(2, 1e-2, cbs=probe)
     s = probe.seen
-    assert s['before_fit_conv'] == {torch.float32} and s['validate_conv'] == {dtype} # 16-bit inside the forward only
+    assert s['before_fit_conv'] == s['validate_conv'] == {torch.float32} and s['conv_out'] == {dtype} # 16-bit in the forward's ops only
     assert s['before_fit_bn'] == s['validate_bn'] == {torch.float32}
     assert s['before_fit_opt'] == s['validate_opt'] == {torch.float32}
     assert s['validate_state'] == {torch.float32}
@@ -261,19 +262,17 @@ def test_loss_scale_defaults_by_dtype():
     assert learn.to_mixed(torch.bfloat16, loss_scale='dynamic').master_mixed_precision.scaler.dynamic
     assert isinstance(learn.master_mixed_precision.loss_scale, float) and isinstance(learn.master_mixed_precision.skipped, int)
 
-def test_the_masters_are_cast_once_per_training_batch_and_once_per_validation(monkeypatch):
-    "The masters -> 16-bit cast is the cost of casting in the forward: once per step, and once for a whole validation pass"
-    from mpcallbacks.cast import ModelCast
+def test_each_weight_is_cast_once_per_forward():
+    "The masters -> 16-bit cast is autocast's, once per batch's forward for each weight its ops read (its cache), never outside a forward"
+    from torch.utils._python_dispatch import TorchDispatchMode
     from mpcallbacks.test_utils import synth_dls
-    made, cast_all = [0], ModelCast._cast_all
-    def counted(self):
-        before = self._casts
-        res = cast_all(self)
-        made[0] += len(res) if self._casts is not before else 0
-        return res
-    monkeypatch.setattr(ModelCast, '_cast_all', counted)
+    class Casts(TorchDispatchMode):
+        def __init__(self, params): super().__init__(); self.params,self.n = {id(p) for p in params},0
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and id(args[0]) in self.params and (kwargs or {}).get('dtype') == torch.bfloat16: self.n += 1
+            return func(*args, **(kwargs or {}))
     learn = synth_learner().to_mixed(torch.bfloat16)
     learn.dls = synth_dls(bs=16) # 16 training batches, 4 validation batches
-    learn.fit(2, 1e-2)
-    n_masters = 4 # the conv's and the linear layer's weight and bias; BatchNorm stays FP32
-    assert made[0] == 2 * n_masters * (len(learn.dls.train) + 1), (made[0], len(learn.dls.train), len(learn.dls.valid))
+    with Casts(learn.model.parameters()) as casts: learn.fit(2, 1e-2)
+    n_weights = 4 # the conv's and the linear layer's weight and bias; BatchNorm's are read in FP32
+    assert casts.n == 2 * n_weights * (len(learn.dls.train) + len(learn.dls.valid)), casts.n
