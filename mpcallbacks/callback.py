@@ -67,17 +67,20 @@ class MasterMixedPrecision(Callback):
 
     @property
     def loss_scale(self) -> float:
-        "The current loss scale (1.0 when not scaling)"
+        "The current loss scale (1.0 when not scaling), every step recorded (a device's flags still on their way waited for)"
+        self.scaler.settle()
         return self.scaler.scale
 
     @property
     def skipped(self) -> int:
-        "Steps skipped for inf/NaN gradients, over the learner's life"
+        "Steps skipped for inf/NaN gradients, over the learner's life, every step recorded"
+        self.scaler.settle()
         return self.scaler.skipped
 
     @property
     def fit_skipped(self) -> int:
-        "Steps skipped since the running fit began (between fits: over the learner's life)"
+        "Steps skipped since the running fit began (between fits: over the learner's life), every step recorded"
+        self.scaler.settle()
         return self.mixed_fit.skipped_in_fit
 
     @property

@@ -254,7 +254,7 @@ class MixedFit:
     def _check_loss(self) -> None:
         "Once the host knows of the fit's first skip (no read of its own for that), read the loss once and say at once if it is not finite"
         if self.fit_start is None or self.skip_loss is not None: return
-        if self.scaler.skipped_recorded > self.fit_start[1]:
+        if self.scaler.skipped > self.fit_start[1]: # (the steps recorded so far: no wait)
             loss = self.scaler.last_skip_loss # (the skipped step's own, where it came with its flag: no read)
             self.skip_loss = _loss_at_skip(self.learn.loss_grad if loss is None else loss)
 

@@ -95,20 +95,8 @@ _skips_at_floor = 25 # The default limit's margin: skips in a row at `min_scale`
 _max_growth = 2.**16 # The largest growth_factor
 _read_only_check = 2**16 # Gradients this large are checked by a read alone when the scale is 1 (a sum: measured 5.0 ms against 7.0 for the fused unscale's read and write, 16.8M FP32 gradients, one thread)
 
-class _Settled:
-    "A field of the scaler's host state, read and written as it stands once the flags still on the device are recorded"
-    def __set_name__(self, owner, name): self.name = '_' + name
-    def __get__(self, obj, objtype=None):
-        if obj is None: return self
-        obj.settle()
-        return obj.__dict__[self.name]
-    def __set__(self, obj, value):
-        obj.settle()
-        obj.__dict__[self.name] = value
-
 class LossScaler:
     "Loss scale with the dynamic rule of `torch.amp.GradScaler`, a floor, and a limit on consecutive skips"
-    scale,growth_tracker,skipped,consecutive_skips,history,_run_start = (_Settled() for _ in range(6))
     settle_every = _skips_at_floor # Steps whose flags may still be on their way to the host before the host waits for them (one sync for all)
     flag_type = InFlightFlag # How a step's flag tensor travels to the host (`lagging_flags` swaps in one from a device behind the host)
     def __init__(self,
@@ -146,7 +134,7 @@ class LossScaler:
         self.history = ScaleHistory() # The scale each step used, and whether it was skipped
         self.last_skip_loss = None # The loss of the last skipped step the host has recorded, where `update` was given it
 
-    def __getstate__(self): # (a pickle, a deep copy: plain Python state, no device flag or event in it)
+    def __getstate__(self): # (a pickle, a deep copy: plain Python state, no device flag or event in it, every step recorded)
         self.settle()
         return self.__dict__
 
@@ -161,6 +149,7 @@ class LossScaler:
         return self._backoffs(self.scale if self._run_start is None else self._run_start) + _skips_at_floor
 
     def __repr__(self):
+        self.settle()
         mode = 'dynamic' if self.dynamic else 'static'
         return f"{type(self).__name__}({mode}, scale={self.scale:g}, skipped={self.skipped})"
 
@@ -190,17 +179,12 @@ class LossScaler:
 
     @property
     def pending_steps(self) -> int:
-        "Steps whose flags are still on their way to the host (reading the scale, the counters or the history waits for them first)"
+        "Steps whose flags are still on their way to the host: the history, the counters and `scale` do not hold them yet (`settle` waits for them)"
         return len(self._pending)
-
-    @property
-    def skipped_recorded(self) -> int:
-        "Skipped steps the host has recorded so far, without waiting for the flags still on their way (`skipped` waits for them)"
-        return self.__dict__['_skipped']
 
     def scale_now(self) -> float|Tensor: # A float, or a 0-d float32 tensor on the device while steps are pending
         "The scale the next backward uses, without a host sync: the device's while flags of a dynamic scale are still unread"
-        return self.__dict__['_scale'] if self._on_device is None else self._on_device[0].float() # (a static scale never moves)
+        return self.scale if self._on_device is None else self._on_device[0].float() # (a static scale never moves)
 
     def finite_now(self,
         found_inf:Tensor, # A step's inf/NaN flag, not given to `update` yet
@@ -211,9 +195,10 @@ class LossScaler:
     def scale_loss(self,
         loss:Tensor, # The loss `backward` will start from
     ) -> Tensor: # `loss` times the scale
-        "`loss` times the scale (the loss itself when the scale is 1)"
+        "`loss` times the scale (the loss itself when the scale is 1; a scale on another device than the loss's is copied there)"
         scale = self.scale_now()
-        return loss if not isinstance(scale, Tensor) and scale == 1. else loss * scale
+        if not isinstance(scale, Tensor): return loss if scale == 1. else loss * scale
+        return loss * (scale if scale.device == loss.device else scale.to(loss.device, non_blocking=True))
 
     def unscale_(self,
         grads:list, # FP32 gradients, divided by the scale in place
@@ -258,43 +243,43 @@ class LossScaler:
         else: stop = self._record(bool(found_inf))
         if stop: raise NonFiniteGradients(stop)
 
+    def _moved(self, scale, tracker, found): # (the next scale, the next growth tracker)
+        """The dynamic rule, written once for the host and the device: `scale` and `tracker` as floats and `found` a bool, or
+        all three 0-d float64 tensors on the device. Back off on a skip (never below `min_scale`); grow after `growth_interval`
+        good steps (`>=`: a counter loaded from a run with a longer interval grows too), unless that passes `max_loss_scale`.
+        Each new scale is rounded to float32, as torch stores its scale, so that both land on the same values."""
+        on_device = isinstance(found, Tensor)
+        where = torch.where if on_device else (lambda c, a, b: a if c else b)
+        f32 = (lambda x: x.float().double()) if on_device else _f32
+        grown,count = f32(scale * self.growth_factor),tracker + 1
+        backed = f32(scale * self.backoff_factor)
+        backed = backed.clamp_min(self.min_scale) if on_device else max(backed, self.min_scale)
+        grow = (count >= self.growth_interval) & (grown <= max_loss_scale) if on_device else count >= self.growth_interval and grown <= max_loss_scale
+        restart = (count >= self.growth_interval) | found if on_device else count >= self.growth_interval or found
+        return where(found, backed, where(grow, grown, scale)),where(restart, count * 0, count)
+
     def _record(self, found_inf:bool, loss:float|None=None) -> str|None: # The stop message, at the skip that reaches the limit
         "One step on the host: the history, the counters and the scale"
         self.history.append((self.scale, found_inf))
-        if found_inf:
-            self.last_skip_loss = loss
-            if self.consecutive_skips == 0: self._run_start = self.scale
-            self.skipped += 1
-            self.consecutive_skips += 1
-            if self.dynamic:
-                self.scale = max(_f32(self.scale * self.backoff_factor), self.min_scale)
-                self.growth_tracker = 0
-            return self._stop_message() if self.consecutive_skips >= self.max_consecutive_skips else None
-        self.consecutive_skips,self._run_start = 0,None
-        if not self.dynamic: return None
-        self.growth_tracker += 1
-        if self.growth_tracker >= self.growth_interval: # `>=`: a counter loaded from a run with a longer interval grows too
-            grown = _f32(self.scale * self.growth_factor)
-            if grown <= max_loss_scale: self.scale = grown
-            self.growth_tracker = 0
-        return None
+        if self.dynamic: self.scale,self.growth_tracker = self._moved(self.scale, self.growth_tracker, found_inf)
+        if not found_inf:
+            self.consecutive_skips,self._run_start = 0,None
+            return None
+        self.last_skip_loss = loss
+        if self.consecutive_skips == 0: self._run_start = self.history[-1][0] # (the scale this step used)
+        self.skipped += 1
+        self.consecutive_skips += 1
+        return self._stop_message() if self.consecutive_skips >= self.max_consecutive_skips else None
 
     def _update_on_device(self, flag:InFlightFlag) -> None:
-        "`_record`'s dynamic rule on the device, for a flag not read yet: the next step's scale with no host sync"
+        "The dynamic rule on the device, for a flag not read yet: the next step's scale with no host sync"
         if self.dynamic:
             if self._on_device is None:
                 # (each filled on the device: a tensor from Python data would be a blocking copy from pageable host memory)
                 self._on_device = torch.stack([torch.full((), float(v), dtype=torch.float64, device=flag.flag.device)
                                                for v in (self.scale, self.growth_tracker)])
             scale,tracker = self._on_device.unbind()
-            found,count = flag.flag.to(torch.float64) != 0,tracker + 1
-            # In float64, rounded to float32 as `_f32` rounds: the host's replay of the same flags lands on the same scale
-            backed = (scale * self.backoff_factor).float().double().clamp_min(self.min_scale)
-            grown = (scale * self.growth_factor).float().double()
-            grow = count >= self.growth_interval
-            grown = torch.where(grown <= max_loss_scale, grown, scale)
-            self._on_device = torch.stack([torch.where(found, backed, torch.where(grow, grown, scale)),
-                                           torch.where(found | grow, torch.zeros_like(count), count)])
+            self._on_device = torch.stack(self._moved(scale, tracker, flag.flag.to(scale.device, torch.float64) != 0))
         self._pending.append(flag)
 
     def _read_landed(self) -> str|None: # The stop message, if a skip among them reached the limit
@@ -302,10 +287,9 @@ class LossScaler:
         n = 0
         while n < len(self._pending) and self._pending[n].landed(): n += 1
         if not n: return None
-        landed,rest,self._pending = self._pending[:n],self._pending[n:],[] # (`_record`'s fields would settle every flag still pending)
-        try: stops = [self._record(*f.read()) for f in landed]
-        finally: self._pending = rest
-        if not rest: self._on_device = None # (else it holds the scale after the steps still on their way)
+        landed,self._pending = self._pending[:n],self._pending[n:]
+        stops = [self._record(*f.read()) for f in landed]
+        if not self._pending: self._on_device = None # (else it holds the scale after the steps still on their way)
         return next((s for s in stops if s), None)
 
     def settle(self) -> str|None: # The stop message, if a skip among them reached the limit
@@ -332,7 +316,8 @@ class LossScaler:
                 f"nothing has been learned since. Likely causes: {'; or '.join(causes)}.")
 
     def state_dict(self) -> dict:
-        "The scaler's state as plain Python scalars, with the mode and the growth interval it was counted under"
+        "The scaler's state as plain Python scalars, with the mode and the growth interval it was counted under (every step recorded first)"
+        self.settle()
         return {**{k:getattr(self, k) for k in _state_keys}, 'dynamic':self.dynamic, 'growth_interval':self.growth_interval}
 
     def check_state_dict(self,
@@ -356,6 +341,7 @@ class LossScaler:
     ) -> None:
         "Restore the count of skipped steps, and the scale with its counters where both scale alike (both dynamic, or the same static scale): all of it, or nothing"
         v = self.check_state_dict(sd)
+        self.settle()
         self.skipped = v['skipped']
         # A run of skips and a growth count were counted at the checkpoint's scale: they go on only where that scale does
         if self.dynamic != v['dynamic'] or (not self.dynamic and _f32(v['scale']) != self.scale):
