@@ -2,6 +2,7 @@ from .policy import *
 from .cast import *
 from .scaler import *
 from .master import *
+from .fused import *
 from .distributed import *
 from .mixed_fit import *
 from .callback import *

@@ -120,13 +120,15 @@ class MasterMixedPrecision(Callback):
         if name == 'learn' and value is None and 'mixed_fit' in self.__dict__: self.mixed_fit.close()
         super().__setattr__(name, value)
 
-    def measure_auto(self,
-        learn:Learner, # The learner about to fit (this callback may be one passed to its `fit`)
+    @property
+    def wants_auto(self) -> bool:
+        "Whether `keep_fp32='auto'` still waits for its measure (`take_auto`), before the first training fit casts"
+        return self.auto and self.auto_kept is None
+
+    def take_auto(self,
+        auto, # What the precision doctor measured (`AutoFP32`: `kept`, and the `loss_scale` to start from or None)
     ) -> None:
-        "`keep_fp32='auto'`: before the first fit casts, keep in FP32 what the precision doctor finds 16 bits would break, and start a dynamic scale where the gradients of what stays cast fit"
-        if not self.auto or self.auto_kept is not None: return
-        from .doctor import auto_fp32 # (the doctor builds on this callback: imported where it is called)
-        auto = auto_fp32(learn, self.dtype, self.keep, self.loss_scale, self.scaler.dynamic)
+        "`keep_fp32='auto'`: keep in FP32 what the precision doctor found 16 bits would break, and start a dynamic scale where the gradients of what stays in 16 bits fit"
         self.auto_kept,self.keep = auto.kept,self.keep + auto.kept
         if auto.loss_scale is not None: self.scaler.start_at(auto.loss_scale)
 

@@ -106,17 +106,13 @@ class ModelCast:
         self.model,self.dtype,self.keep = model,dtype,keep
         self.policy = model_policy(model, dtype, keep) # name -> (module, `ModulePolicy`)
         self.kinds = {id(m):p.kind for m,p in self.policy.values() if p.hooked} # The modules the hooks act at
+        self.device = next(p.device for p in model.parameters() if p.is_floating_point()) # (of the first floating-point parameter, for a model spread over several)
         self.device_type = self.device.type
         self.attrs16 = _attrs16(model) # 16-bit tensors the model held before: `restore` leaves them alone
         self.handles = [] # The hooks, while registered
         self._thread = threading.local() # This thread's open regions and running hooked calls
 
     def __repr__(self): return f"{type(self).__name__}({type(self.model).__name__} to {self.dtype}, {len(self.kinds)} hooked modules)"
-
-    @property
-    def device(self) -> torch.device:
-        "The device of the model (of its first floating-point parameter, for a model spread over several)"
-        return next(p.device for p in self.model.parameters() if p.is_floating_point())
 
     def _state(self) -> tuple: # (open regions: (autocast context, hooked calls when it opened), running hooked calls)
         t = self._thread

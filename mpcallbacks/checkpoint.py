@@ -15,82 +15,10 @@ import numpy as np
 import errno, shutil, math, numbers
 from .scaler import LossScaler
 from .distributed import fsdp_sharded
-from .fused import step_fused, skips_on_flag
-
+from .fused import OptimizerWithScaler, scaler_key # (their earlier home: importable from here too)
 
 # %% auto #0
-__all__ = ['scaler_key', 'OptimizerWithScaler', 'ScalerOptFunc', 'carry_scaler', 'drop_scaler', 'replacing_file']
-
-# %% ../nbs/05a_checkpoint.ipynb #a35e9b91
-scaler_key = 'mpcallbacks.loss_scaler' # Where a checkpoint keeps the scaler's state, next to the optimizer's
-
-class OptimizerWithScaler(GetAttr):
-    "The learner's optimizer as `to_mixed` steps it: its state dict carries the loss scaler's, and torch's fused kernels step it where they can"
-    _default = 'opt'
-    def __init__(self,
-        opt, # A fastai `Optimizer` or `OptimWrapper`
-        scaler:LossScaler, # The loss scaler whose state travels with the optimizer's
-    ): self.opt,self.scaler,self.interrupted,self._guard = opt,scaler,None,None
-
-    @property
-    def skips_on_flag(self) -> bool:
-        "Whether the optimizer's fused kernel skips a step itself on the step's inf/NaN flag (torch's `fused=True` optimizers)"
-        return skips_on_flag(self.opt)
-
-    def guard(self,
-        found_inf:Tensor|None, # The step's inf/NaN flag, on the device; None: step unguarded
-    ) -> None:
-        "Hand the next step the flag its fused kernel reads to skip a flagged step itself, with no host sync"
-        self._guard = found_inf
-
-    def step(self, closure=None):
-        "Step: fastai's `Adam`/`SGD` by torch's fused kernels, a guarded step with its flag, any other optimizer as it steps"
-        found_inf,self._guard = self._guard,None
-        return step_fused(self.opt, found_inf, closure)
-
-    def state_dict(self) -> dict: # The optimizer's state dict, plus the scaler's under 'mpcallbacks.loss_scaler'
-        "The optimizer's state dict with the scaler's state added"
-        return {**self.opt.state_dict(), scaler_key: self.scaler.state_dict()}
-
-    def load_state_dict(self,
-        sd:dict, # A state dict from `state_dict`, or a plain optimizer state dict (the scaler is then left as it is)
-    ):
-        "Load the optimizer's state, and the scaler's if `sd` has it: the scaler's is checked first, so it is all or nothing"
-        sd = dict(sd)
-        scaler_sd = sd.pop(scaler_key, None)
-        try:
-            if scaler_sd is not None: self.scaler.check_state_dict(scaler_sd)
-            self.opt.load_state_dict(sd)
-            if scaler_sd is not None: self.scaler.load_state_dict(scaler_sd)
-        except Exception: raise # fastai warns that the optimizer state could not be loaded
-        except BaseException as e: self.interrupted = e # fastai's bare `except:` would swallow a Ctrl-C: `load_checked` raises it
-
-# %% ../nbs/05a_checkpoint.ipynb #9ce26ba7
-def _with_scaler(opt_func, scaler, params, **kwargs): return OptimizerWithScaler(opt_func(params, **kwargs), scaler)
-
-class ScalerOptFunc(partial):
-    "A learner's `opt_func` whose optimizers carry `scaler`; pickled (in `learn.export`), it is the `opt_func` it wraps"
-    def __new__(cls, opt_func, scaler:LossScaler):
-        lr = opt_func.keywords.get('lr') if isinstance(opt_func, partial) else None # fastai's `create_opt` reads it there
-        return super().__new__(cls, _with_scaler, opt_func, scaler, **({} if lr is None else {'lr': lr}))
-    @property
-    def inner(self): # The `opt_func` it wraps
-        "The learner's own `opt_func`"
-        return self.args[0]
-    def __reduce__(self): return (copy.copy, (self.inner,)) # an export loads without mpcallbacks
-
-# %% ../nbs/05a_checkpoint.ipynb #e815cf45
-def carry_scaler(learn:Learner, scaler:LossScaler) -> None:
-    "Have every optimizer of `learn` (the one it has, and those `create_opt` builds) carry `scaler`'s state"
-    drop_scaler(learn)
-    if not isinstance(learn.opt_func, OptimWrapper): learn.opt_func = ScalerOptFunc(learn.opt_func, scaler)
-    if getattr(learn, 'opt', None) is not None: learn.opt = OptimizerWithScaler(learn.opt, scaler)
-
-# %% ../nbs/05a_checkpoint.ipynb #766de9e8
-def drop_scaler(learn:Learner) -> None:
-    "Undo `carry_scaler`"
-    if isinstance(learn.opt_func, ScalerOptFunc): learn.opt_func = learn.opt_func.inner
-    if isinstance(getattr(learn, 'opt', None), OptimizerWithScaler): learn.opt = learn.opt.opt
+__all__ = ['replacing_file']
 
 # %% ../nbs/05a_checkpoint.ipynb #75a27a17
 def _alive(pid:int) -> bool:

@@ -1,4 +1,4 @@
-"""fastai's `Adam` and `SGD` stepped by torch's fused kernels, with fastai's state, hyper-parameters and results; torch's fused optimizers skipping an inf/NaN step inside their kernel.
+"""The learner's optimizer as `to_mixed` steps it: fastai's `Adam` and `SGD` by torch's fused kernels, with fastai's state, hyper-parameters and results; torch's fused optimizers skipping an inf/NaN step inside their kernel; the loss scaler's state in its state dict.
 
 Docs: https://mpcallbacks.github.io/mpcallbacks/fused.html.md"""
 
@@ -6,15 +6,19 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/fused.html.md"""
 
 # %% ../nbs/02a_fused.ipynb #07271ea0
 from __future__ import annotations
+import copy
 from functools import partial
+from fastcore.basics import GetAttr
 import torch
 from torch import Tensor
 from fastai.optimizer import (Optimizer, OptimWrapper, weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat,
                               adam_step, sgd_step, momentum_step)
 from .distributed import local_tensor
+from .scaler import LossScaler
 
 # %% auto #0
-__all__ = ['fused_kind', 'skips_on_flag', 'step_fused']
+__all__ = ['scaler_key', 'fused_kind', 'skips_on_flag', 'step_fused', 'OptimizerWithScaler', 'ScalerOptFunc', 'carry_scaler',
+           'drop_scaler']
 
 # %% ../nbs/02a_fused.ipynb #525d14e5
 def _is_cb(f, g, **kws) -> bool:
@@ -51,7 +55,7 @@ def _fused_ok(ps:list) -> bool:
     return all(p.grad is not None and p.grad.layout is torch.strided and p.grad.dtype == p.dtype and p.dtype.is_floating_point
                and p.device.type in ('cpu', 'cuda') for p in ps)
 
-def _local(ts:list) -> list: return [local_tensor(t) for t in ts] # (a sharded parameter's update is its shard's: elementwise)
+def _local(ts:list) -> list: return list(map(local_tensor, ts)) # (a sharded parameter's update is its shard's: elementwise)
 
 # %% ../nbs/02a_fused.ipynb #be2cd94f
 @torch.no_grad()
@@ -110,3 +114,74 @@ def step_fused(
     inner.grad_scale,inner.found_inf = None,found_inf # read by torch's `Adam`/`AdamW`/`SGD`, as `GradScaler` sets them
     try: return inner.step() if closure is None else inner.step(closure)
     finally: del inner.grad_scale,inner.found_inf
+
+# %% ../nbs/02a_fused.ipynb #a35e9b91
+scaler_key = 'mpcallbacks.loss_scaler' # Where a checkpoint keeps the scaler's state, next to the optimizer's
+
+class OptimizerWithScaler(GetAttr):
+    "The learner's optimizer as `to_mixed` steps it: its state dict carries the loss scaler's, and torch's fused kernels step it where they can"
+    _default = 'opt'
+    def __init__(self,
+        opt, # A fastai `Optimizer` or `OptimWrapper`
+        scaler:LossScaler, # The loss scaler whose state travels with the optimizer's
+    ): self.opt,self.scaler,self.interrupted,self._guard = opt,scaler,None,None
+
+    @property
+    def skips_on_flag(self) -> bool:
+        "Whether the optimizer's fused kernel skips a step itself on the step's inf/NaN flag (torch's `fused=True` optimizers)"
+        return skips_on_flag(self.opt)
+
+    def guard(self,
+        found_inf:Tensor|None, # The step's inf/NaN flag, on the device; None: step unguarded
+    ) -> None:
+        "Hand the next step the flag its fused kernel reads to skip a flagged step itself, with no host sync"
+        self._guard = found_inf
+
+    def step(self, closure=None):
+        "Step: fastai's `Adam`/`SGD` by torch's fused kernels, a guarded step with its flag, any other optimizer as it steps"
+        found_inf,self._guard = self._guard,None
+        return step_fused(self.opt, found_inf, closure)
+
+    def state_dict(self) -> dict: # The optimizer's state dict, plus the scaler's under 'mpcallbacks.loss_scaler'
+        "The optimizer's state dict with the scaler's state added"
+        return {**self.opt.state_dict(), scaler_key: self.scaler.state_dict()}
+
+    def load_state_dict(self,
+        sd:dict, # A state dict from `state_dict`, or a plain optimizer state dict (the scaler is then left as it is)
+    ):
+        "Load the optimizer's state, and the scaler's if `sd` has it: the scaler's is checked first, so it is all or nothing"
+        sd = dict(sd)
+        scaler_sd = sd.pop(scaler_key, None)
+        try:
+            if scaler_sd is not None: self.scaler.check_state_dict(scaler_sd)
+            self.opt.load_state_dict(sd)
+            if scaler_sd is not None: self.scaler.load_state_dict(scaler_sd)
+        except Exception: raise # fastai warns that the optimizer state could not be loaded
+        except BaseException as e: self.interrupted = e # fastai's bare `except:` would swallow a Ctrl-C: `load_checked` raises it
+
+# %% ../nbs/02a_fused.ipynb #9ce26ba7
+def _with_scaler(opt_func, scaler, params, **kwargs): return OptimizerWithScaler(opt_func(params, **kwargs), scaler)
+
+class ScalerOptFunc(partial):
+    "A learner's `opt_func` whose optimizers carry `scaler`; pickled (in `learn.export`), it is the `opt_func` it wraps"
+    def __new__(cls, opt_func, scaler:LossScaler):
+        lr = opt_func.keywords.get('lr') if isinstance(opt_func, partial) else None # fastai's `create_opt` reads it there
+        return super().__new__(cls, _with_scaler, opt_func, scaler, **({} if lr is None else {'lr': lr}))
+    @property
+    def inner(self): # The `opt_func` it wraps
+        "The learner's own `opt_func`"
+        return self.args[0]
+    def __reduce__(self): return (copy.copy, (self.inner,)) # an export loads without mpcallbacks
+
+# %% ../nbs/02a_fused.ipynb #e815cf45
+def carry_scaler(learn:Learner, scaler:LossScaler) -> None:
+    "Have every optimizer of `learn` (the one it has, and those `create_opt` builds) carry `scaler`'s state"
+    drop_scaler(learn)
+    if not isinstance(learn.opt_func, OptimWrapper): learn.opt_func = ScalerOptFunc(learn.opt_func, scaler)
+    if getattr(learn, 'opt', None) is not None: learn.opt = OptimizerWithScaler(learn.opt, scaler)
+
+# %% ../nbs/02a_fused.ipynb #766de9e8
+def drop_scaler(learn:Learner) -> None:
+    "Undo `carry_scaler`"
+    if isinstance(learn.opt_func, ScalerOptFunc): learn.opt_func = learn.opt_func.inner
+    if isinstance(getattr(learn, 'opt', None), OptimizerWithScaler): learn.opt = learn.opt.opt

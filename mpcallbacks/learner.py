@@ -12,6 +12,7 @@ from functools import wraps
 from fastai.basics import * # and no more of fastai: its `callback.progress` would add a progress bar to every learner
 from .policy import check_castable, unmatched_names, cast_summary
 from .callback import MasterMixedPrecision, check_no_fastai_fp16
+from .fused import carry_scaler, drop_scaler
 from . import checkpoint, doctor # (each adds its `Learner` methods: the checkpoint helpers, `precision_report`)
 
 # %% auto #0
@@ -81,7 +82,7 @@ def to_mixed(self:Learner,
     if old: # the later settings win; the count of skipped steps and the history go on
         cb.scaler.skipped,cb.scaler.history = old[-1].scaler.skipped,old[-1].scaler.history
         self.to_unmixed()
-    checkpoint.carry_scaler(self, cb.scaler)
+    carry_scaler(self, cb.scaler)
     return self.add_cb(cb)
 
 # %% ../nbs/05_learner.ipynb #0431f333
@@ -90,7 +91,7 @@ def to_unmixed(self:Learner) -> Learner: # The learner itself, training in FP32
     "Remove `MasterMixedPrecision`: the inverse of `to_mixed`, also in the middle of a fit (which goes on in FP32)"
     cbs = self._grab_cbs(MasterMixedPrecision)
     for cb in cbs: cb.end_fit()
-    checkpoint.drop_scaler(self)
+    drop_scaler(self)
     return self.remove_cbs(cbs)
 
 # %% ../nbs/05_learner.ipynb #6b9b632a
@@ -128,7 +129,7 @@ def _fit(self, *args, **kwargs):
     mine = _mixed_cbs(self, _fit_signature.bind(self, *args, **kwargs).arguments.get('cbs'))
     if not mine: return _fastai_fit(self, *args, **kwargs)
     for cb in mine:
-        if isinstance(cb, MasterMixedPrecision): cb.measure_auto(self) # `keep_fp32='auto'`: measured before the first fit casts
+        if isinstance(cb, MasterMixedPrecision) and cb.wants_auto: cb.take_auto(doctor.auto_fp32(self, cb.dtype, cb.keep, cb.loss_scale, cb.scaler.dynamic)) # `keep_fp32='auto'`: measured before the first fit casts
     with ExitStack() as stack: # (each ends its part however the fit ends; `MixedFit`'s raises a storm's error once every `after_fit` ran)
         for cb in mine: stack.enter_context(cb.running_fit())
         return _fastai_fit(self, *args, **kwargs)

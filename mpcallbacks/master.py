@@ -35,8 +35,7 @@ class MasterParams:
     ):
         self.params = list({id(p):p for p in params}.values())
         self.phase = GradPhase.EMPTY # Where this step's gradients are in their life
-        self.found_inf = None # The step's inf/NaN flag (a device tensor, 1.0 if any), once a backward was unscaled
-        self.guard = None # While stepping: the flag the optimizer's kernel skips on, or None where the host found it finite
+        self.found_inf = None # The step's inf/NaN flag (a device tensor, 1.0 if any), once a backward was unscaled; while stepping, the flag the optimizer's kernel skips on, or None where the host found the step finite
 
     def __len__(self): return len(self.params)
     def __repr__(self): return f"{type(self).__name__}({len(self)} parameters, {self.phase.name})"
@@ -53,7 +52,7 @@ class MasterParams:
 
     def _free_grads(self):
         for p in self.params: p.grad = None
-        self.found_inf,self.guard,self.phase = None,None,GradPhase.EMPTY
+        self.found_inf,self.phase = None,GradPhase.EMPTY
 
     def before_backward(self,
         scale:float|Tensor, # The loss scale the coming backward multiplies its gradients by (a 0-d tensor: on the device)
@@ -79,13 +78,13 @@ class MasterParams:
         self.phase = GradPhase.UNSCALED
 
     def stepping(self,
-        guard:Tensor|None=None, # The flag a fused optimizer's kernel reads to skip a flagged step itself; None: found finite on the host
+        flag:Tensor|None=None, # The flag a fused optimizer's kernel reads to skip a flagged step itself (every rank's verdict); None: found finite on the host
     ) -> None:
         "The optimizer steps on the gradients: found finite, or guarded by the flag its kernel reads"
         if self.phase is not GradPhase.UNSCALED:
             raise GradPhaseError(f"stepping() with {self.phase.value}: the optimizer may only step on gradients that "
                                  "after_backward() unscaled and checked.")
-        self.phase,self.guard = GradPhase.STEPPING,guard
+        self.phase,self.found_inf = GradPhase.STEPPING,flag
 
     def stepped(self) -> None:
         "The optimizer stepped: free the gradients"

@@ -225,8 +225,8 @@ class MixedFit:
             # (a CPU's flag is read from memory: a finite step needs no flag in the kernel, nor torch's undo of its step
             # counts after it: 0.11 ms a step for 202 parameter tensors)
             if self.scaler.finite_now(found_inf): return self.grads.stepping()
-            guard(found_inf)
-            return self.grads.stepping(guard=found_inf)
+            guard(found_inf) # (handed for this one step)
+            return self.grads.stepping(found_inf)
         if found_inf is None: return self.grads.stepping()
         found,*loss = InFlightFlag.pack(found_inf, self._carried_loss()).tolist() # (the fit's first skip reads its loss too: in the same host sync)
         if not found: return self.grads.stepping()
@@ -237,9 +237,9 @@ class MixedFit:
         raise CancelStepException()
 
     def update(self) -> None:
-        "After the optimizer stepped: the scale moves by the step's verdict (the guard still on the device), the gradients and casts are freed"
+        "After the optimizer stepped: the scale moves by the step's verdict (the flag its kernel read, still on the device), the gradients are freed"
         if self.grads.phase is not GradPhase.STEPPING: return
-        found_inf = False if self.grads.guard is None else self.grads.guard
+        found_inf = False if self.grads.found_inf is None else self.grads.found_inf
         self.grads.stepped()
         # (a guarded step's flag is read once it has landed on the host, on a CPU at once; until the fit's first skip is
         # known, the step's loss travels with it, to say whether that loss was itself non-finite with no read of its own)

@@ -208,7 +208,7 @@ class LossScaler:
         scale = self.scale_now()
         if not isinstance(scale, Tensor): _check_scale('scale', scale) # set out of range by hand, 1/scale would turn the gradients inf or NaN unflagged
         # The reciprocal is taken in float64 so that it is exact for every power-of-two scale, then stored as float32.
-        inv = _f32(1./scale) if not isinstance(scale, Tensor) else (1./self._on_device[0]).float()
+        inv = float(np.float32(1./scale)) if not isinstance(scale, Tensor) else (1./self._on_device[0]).float()
         # A scale of 1 (bfloat16's): nothing to divide, so a large gradient is only read, by its sum (non-finite exactly
         # when an element is inf or NaN, or when the sum itself overflows FP32, elements of about 1e31 and more)
         read_only = not isinstance(inv, Tensor) and inv == 1

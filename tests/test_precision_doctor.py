@@ -342,7 +342,7 @@ def _auto_on_rank(rank, port, out):
         cb = learn.master_mixed_precision
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
-            cb.measure_auto(learn)
+            cb.take_auto(doctor.auto_fp32(learn, cb.dtype, cb.keep, cb.loss_scale, cb.scaler.dynamic))
         torch.save([(k.name, k.why) for k in cb.auto_kept], f'{out}/rank{rank}.pt')
     finally: dist.destroy_process_group()
 
