@@ -16,6 +16,7 @@ from .norms import run_norms, norms_section
 from .doctor import run_doctor, doctor_section
 from .speed import run_speed, speed_section
 from .step_peak import run_step_peak, step_peak_section
+from .accuracy import run_accuracy, accuracy_section
 from . import plots
 
 results_dir = Path(__file__).resolve().parent / 'results'
@@ -81,6 +82,14 @@ def whole_step_targets(speed:dict, peaks:list, opt_syncs:list) -> list:
          all(f < 1 and a < 1 for f,a,_ in peak) if peak else None),
     ]
 
+def accuracy_targets(acc:list) -> list:
+    "(target, measured, met): one batch's gradients under `to_mixed` as close to FP32's as autocast's, overall and for every parameter"
+    worst = lambda k: max(acc, key=lambda r: r[k])
+    return [('gradient error against FP32: to_mixed <= autocast (small BERT, every type)',
+             ', '.join(f"{as_ratio(r['ratio'])} ({r['dtype']})" for r in acc), all(round(r['ratio'], 2) <= 1 for r in acc)),
+            ('... and for every parameter', f"worst {as_ratio(worst('worst_ratio')['worst_ratio'])} ({worst('worst_ratio')['worst_param']}, {worst('worst_ratio')['dtype']})",
+             all(round(r['worst_ratio'], 2) <= 1 for r in acc))]
+
 def headline(book:list, step:list, bound:dict, syncs:list, mem:list) -> str:
     r18,many = book
     by = {(r['mode'], r['opt']):r for r in mem if r['available']}
@@ -144,7 +153,9 @@ def main():
     emit(step_peak_section(peaks))
     opt_syncs = run_optimizer_syncs(device)
     emit(optimizer_syncs_section(opt_syncs))
-    tgt = targets(book, step, bound, syncs, doctor) + whole_step_targets(speed, peaks, opt_syncs)
+    acc = run_accuracy(device)
+    emit(accuracy_section(acc))
+    tgt = targets(book, step, bound, syncs, doctor) + whole_step_targets(speed, peaks, opt_syncs) + accuracy_targets(acc)
     emit('### Performance targets\n\n' + md_table(['target', 'measured', 'met'], [[t, m, '-' if ok is None else 'yes' if ok else '**no**'] for t,m,ok in tgt]))
     pngs = [plots.plot_bookkeeping(book, results_dir), plots.plot_whole_step(step, bound, results_dir),
             plots.plot_memory(mem, results_dir), plots.plot_syncs(syncs, results_dir)]

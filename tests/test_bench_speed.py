@@ -4,7 +4,7 @@ import torch
 
 def test_section_modules_do_not_import_the_runner():
     # Each section formats its own tables: importing one must not pull in bench.run, which imports them all
-    code = ("import sys, bench.memory, bench.sharded, bench.syncs, bench.speed, bench.step_peak; "
+    code = ("import sys, bench.memory, bench.sharded, bench.syncs, bench.speed, bench.step_peak, bench.accuracy; "
             "print('bench.run' in sys.modules)")
     out = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == 'False'
@@ -48,3 +48,12 @@ def test_whole_step_targets_name_every_row_over_its_limit():
     assert adam[2] is True and sync[2] is True and mem[2] is True
     speed['native'] = []
     assert all(t[2] is None for t in whole_step_targets(speed, [], [])) # (nothing measured: nothing judged)
+
+def test_accuracy_section_runs_and_matches_autocast():
+    "Section 9 on a small transformer: `to_mixed`'s gradients are autocast's, as close to FP32's (its forward is autocast's)"
+    from bench.accuracy import run_accuracy, accuracy_section
+    from bench.run import accuracy_targets
+    rows = run_accuracy('cpu', bs=4, seq=16, d=32, n_layers=1)
+    assert [r['dtype'] for r in rows] == ['bfloat16', 'float16'] and all(0 < r['autocast'] < 0.1 for r in rows)
+    assert all(t[2] for t in accuracy_targets(rows)), accuracy_targets(rows)
+    assert '| bfloat16 | 64 |' in accuracy_section(rows)
