@@ -45,9 +45,14 @@ def fused_kind(
 def skips_on_flag(
     opt, # An optimizer: a fastai `Optimizer`, an `OptimWrapper`, a torch optimizer
 ) -> bool:
-    "Whether `opt` is a torch optimizer (or fastai's `OptimWrapper` of one) whose fused kernel takes the step's inf/NaN flag and skips the step itself"
+    "Whether `opt` is a torch optimizer (or fastai's `OptimWrapper` of one) whose fused kernel takes the step's inf/NaN flag and skips the step itself, and would leave nothing unwritten"
     if isinstance(opt, OptimWrapper): opt = opt.opt
-    return isinstance(opt, torch.optim.Optimizer) and getattr(opt, '_step_supports_amp_scaling', False)
+    if not (isinstance(opt, torch.optim.Optimizer) and getattr(opt, '_step_supports_amp_scaling', False)): return False
+    # torch's SGD makes its momentum buffers with `torch.empty_like` at the first step and, when the flag skips that step,
+    # returns before writing them: recycled memory on a GPU, read at the next step. Until every one exists, the flag is
+    # read on the host, and a flagged step is skipped before the optimizer sees it.
+    return not (isinstance(opt, torch.optim.SGD) and any(g['momentum'] and p.grad is not None and 'momentum_buffer' not in opt.state.get(p, {})
+                                                        for g in opt.param_groups for p in g['params']))
 
 # %% ../nbs/02a_fused.ipynb #73e115d5
 def _fused_ok(ps:list) -> bool:
@@ -71,7 +76,7 @@ def _adam(opt:Optimizer, decoupled:bool) -> None:
             buckets.setdefault((wd, st.get('step', 0), p.device, p.dtype), []).append((p, st))
         for (wd,step,dev,_),pss in buckets.items():
             params,states = [p for p,_ in pss],[st for _,st in pss]
-            steps = [torch.full((), float(step + 1), device=dev)] * len(params) # (the kernel reads it, never writes it)
+            steps = [torch.full((), float(step + 1), dtype=torch.float32, device=dev)] * len(params) # (the kernel reads it, never writes it; FP32 whatever the default dtype)
             (torch._fused_adamw_ if decoupled else torch._fused_adam_)(_local(params), _local([p.grad for p in params]),
                 _local([st['grad_avg'] for st in states]), _local([st['sqr_avg'] for st in states]), [], steps, lr=hyper['lr'],
                 beta1=hyper['mom'], beta2=hyper['sqr_mom'], weight_decay=wd, eps=hyper['eps'], amsgrad=False, maximize=False)

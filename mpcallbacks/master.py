@@ -63,9 +63,11 @@ class MasterParams:
         if self.phase is GradPhase.SCALED: return # a backward that never ended: its gradients are scaled already
         gs = self.grads() if isinstance(scale, Tensor) or scale != 1. else []
         dense = [g for g in gs if not g.is_sparse]
-        if dense: torch._foreach_mul_(dense, scale)
+        if dense and isinstance(scale, Tensor): # (a scale on one device, gradients on several: a model spread over GPUs)
+            for dev in {g.device for g in dense}: torch._foreach_mul_([g for g in dense if g.device == dev], scale.to(dev, non_blocking=True))
+        elif dense: torch._foreach_mul_(dense, scale)
         for g in gs:
-            if g.is_sparse: g._values().mul_(scale)
+            if g.is_sparse: g._values().mul_(scale.to(g.device) if isinstance(scale, Tensor) else scale)
         self.phase = GradPhase.SCALED
 
     def after_backward(self,

@@ -121,6 +121,12 @@ def check_castable(
                                   "`torch.jit.trace`): scripted code runs no Python hooks, so its layers cannot be run as "
                                   "mixed precision needs. Train the Python model with `to_mixed()` and script it after training "
                                   "(`torch.jit.script(learn.model)`), or compile it with `torch.compile`, which runs them.")
+    if isinstance(model, nn.DataParallel) and len(model.device_ids or []) > 1:
+        raise ValueError(f"The model is an `nn.DataParallel` over {len(model.device_ids)} GPUs (fastai's `to_parallel`): it runs each "
+                         "replica in a thread of its own, which enters `torch.autocast` in float16 whatever type to_mixed trains "
+                         "in, and its replicas run without the hooks of the modules kept in FP32. Train data-parallel with "
+                         "DistributedDataParallel instead (fastai's `learn.to_distributed()` inside `distrib_ctx()`, launched "
+                         "with `torchrun`), which to_mixed supports.")
     ps = list(model.named_parameters())
     # (the mixin, not `UninitializedParameter`: torch 2.4's Parameter metaclass calls any Parameter-wrapped subclass one)
     lazy = [n for n,p in ps if isinstance(p, nn.parameter.UninitializedTensorMixin)]

@@ -3,7 +3,7 @@ import math, re
 import numpy as np
 import pytest, torch
 from torch import nn
-from fastai.basics import Learner, CrossEntropyLossFlat
+from fastai.basics import Learner, CrossEntropyLossFlat, Callback
 from mpcallbacks.all import MasterMixedPrecision, NonFiniteGradients
 from mpcallbacks.test_utils import synth_dls, synth_learner
 from test_casting_is_atomic import snapshot, assert_exactly_as_before
@@ -100,3 +100,22 @@ def test_non_finite_weights_are_not_called_the_last_good_weights():
     with pytest.raises(Exception) as e: learn.fit(1, 1e-2) # NonFiniteGradients today; an earlier refusal is fine too
     assert 'last good weights' not in str(e.value), str(e.value)
     assert_at_rest(learn, hooks)
+
+class WrapInDataParallel(Callback):
+    "Wraps the model as fastai's `ParallelTrainer` does at `before_fit` (order 0, before ours), as over two GPUs"
+    def before_fit(self):
+        dp = nn.DataParallel(self.learn.model, device_ids=[])
+        dp.device_ids = [0, 1]
+        self.learn.model = dp
+
+def test_data_parallel_over_several_gpus_is_refused_naming_ddp():
+    "Its replica threads enter autocast in float16 whatever the type: refused at to_mixed, and at a fit that wraps the model"
+    learn = synth_learner()
+    model = learn.model
+    learn.model = nn.DataParallel(model, device_ids=[]); learn.model.device_ids = [0, 1]
+    with pytest.raises(ValueError, match='DistributedDataParallel instead'): learn.to_mixed(torch.bfloat16)
+    learn.model = model
+    learn.to_mixed(torch.bfloat16)
+    with pytest.raises(ValueError, match='DistributedDataParallel instead'): learn.fit(1, 1e-2, cbs=WrapInDataParallel())
+    learn.model = model # (what fastai's `ParallelTrainer.after_fit` would have given back)
+    assert_at_rest(learn)
