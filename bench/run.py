@@ -12,7 +12,6 @@ from .memory import run_memory, memory_section
 from .sharded import run_sharded_memory, sharded_section
 from .syncs import run_syncs, syncs_section, run_optimizer_syncs, optimizer_syncs_section
 from .cuda_throughput import run_cuda_throughput, cuda_section
-from .norms import run_norms, norms_section
 from .doctor import run_doctor, doctor_section
 from .speed import run_speed, speed_section
 from .step_peak import run_step_peak, step_peak_section
@@ -143,7 +142,6 @@ def main():
     emit(syncs_section(syncs))
     cuda = run_cuda_throughput(device) if device.type == 'cuda' else None
     emit(cuda_section(cuda))
-    emit(norms_section(run_norms(device, rounds=3 if args.quick else 7)))
     doctor = run_doctor(device, rounds=3 if args.quick else 7)
     emit(doctor_section(doctor))
     # Section 8 runs as a user would, on every core (it says how many); the sections above keep one thread

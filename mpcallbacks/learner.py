@@ -72,9 +72,8 @@ def to_mixed(self:Learner,
     cb.choose_dtype(getattr(self.dls, 'device', None) or default_device()) # where fastai's fit puts the model (each fit chooses again)
     check_castable(self.model, cb.keep)
     if _compiled(self.model) and _torch_version() < (2, 14):
-        warnings.warn(f"to_mixed with torch.compile is tested on torch 2.14 and newer. With torch {torch.__version__} (2.4 "
-                      "checked) the compiled code does not run torch's global module hooks, which cast each 16-bit layer's "
-                      "inputs, and the fit stops with a dtype error: upgrade torch, or train the model uncompiled.", stacklevel=2)
+        warnings.warn(f"to_mixed with torch.compile is tested on torch 2.14 and newer, not on torch {torch.__version__}: if the "
+                      "fit fails, upgrade torch, or train the model uncompiled.", stacklevel=2)
     for k in unmatched_names(self.model, cb.keep):
         warnings.warn(f"keep_fp32: the name pattern {k!r} matches no module of the model (names look like "
                       f"{[n for n,_ in self.model.named_modules()][1:4]}); to keep a type of layer, pass the class itself.", stacklevel=2)

@@ -192,7 +192,7 @@ FAMILIES = [
     ('weight_and_spectral_norm', make_normalized_weights(False), 2, 1e-2, 0.15, 0.8),
     ('weight_and_spectral_norm_hooks', make_normalized_weights(True), 2, 1e-2, 0.15, 0.8),
     pytest.param('torch.compile', make_compiled, 2, 1e-2, 0.15, 0.9, marks=pytest.mark.xfail(OLD_TORCH, strict=False,
-        reason="torch.compile with to_mixed needs torch 2.14 or newer: older dynamo skips torch's global module hooks")),
+        reason="torch.compile with to_mixed is tested on torch 2.14 and newer")),
     ('wgan', make_wgan, 2, 1e-3, None, 0.8), # checked by `assert_gan_like_fp32` below: WGAN's loss does not simply fall
 ]
 
