@@ -7,6 +7,7 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/callback.html.md"""
 # %% ../nbs/03_callback.ipynb #fed1545d
 from __future__ import annotations
 import copy, sys
+from contextlib import ExitStack
 from fastai.basics import *
 from .policy import always_fp32
 from .cast import as_16bit_dtype, cast_floats, native_16bit_dtypes, warn_if_slow
@@ -148,9 +149,12 @@ class MasterMixedPrecision(Callback):
         "End the fit and drop all it held, then say whether it skipped steps; safe to call twice"
         self.mixed_fit.close()
 
-    def running_fit(self): # A context manager
-        "The length of one `Learner.fit` call: the fit's cast ends when it ends, however it ends"
-        return self.mixed_fit.running_fit()
+    def running_fit(self): # A context manager, entered
+        "The length of one `Learner.fit` call (its caller's): the fit's cast ends when it ends, however it ends, a second Ctrl-C in its end included"
+        res,frame = ExitStack(),sys._getframe(1)
+        res.callback(self.mixed_fit.close_if_over, frame) # (runs after the fit's own end, whatever that raised)
+        res.enter_context(self.mixed_fit.running_fit(frame))
+        return res
 
     def before_batch(self):
         "The batch's forward runs in 16 bits: its region opens"

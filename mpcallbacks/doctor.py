@@ -21,6 +21,7 @@ from .cast import as_16bit_dtype, cast_model, cast_floats
 from .scaler import LossScaler
 from .callback import MasterMixedPrecision
 from .distributed import world_size
+from .mixed_fit import until_done
 
 # %% auto #0
 __all__ = ['headroom_min', 'underflow_max', 'sensitivity_max', 'auto_batches', 'start_margin', 'measured_modules',
@@ -137,19 +138,24 @@ class PrecisionProbe:
         self._given = {} # name -> the inputs of a module that overwrites them (`inplace=True`), as they were
         self._mode = None # The `_OwnArithmetic` of the forward being measured (its hooks step outside it)
         self._rerunning,self._busy,self._rng,self._running = False,False,{},[] # `_running`: measured modules (None: a kept one) in their forward, innermost last
-        mods = dict(model.named_modules())
-        try:
-            self.handles = [h for n in self.owns for h in (mods[n].register_forward_pre_hook(self._before(n)),
-                                                           mods[n].register_forward_hook(self._after(n), with_kwargs=True))]
-            self.handles += [h for m,p in self.cast.policy.values() if p.kind in ('kept', 'normalization') for h in (m.register_forward_pre_hook(self._enter_kept),
-                                                                m.register_forward_hook(self._leave_kept))]
+        mods,self.handles = dict(model.named_modules()),[]
+        try: # (one at a time: an interrupt part way leaves every hook made so far in `handles`, for `close`)
+            for n in self.owns:
+                self.handles.append(mods[n].register_forward_pre_hook(self._before(n)))
+                self.handles.append(mods[n].register_forward_hook(self._after(n), with_kwargs=True))
+            for m,p in self.cast.policy.values():
+                if p.kind not in ('kept', 'normalization'): continue
+                self.handles.append(m.register_forward_pre_hook(self._enter_kept))
+                self.handles.append(m.register_forward_hook(self._leave_kept))
         except BaseException:
-            self.close()
+            until_done(self.close)
             raise
 
     def close(self) -> None:
-        "Remove every hook, the probe's and the cast's"
-        for h in getattr(self, 'handles', []): h.remove()
+        "Remove every hook, the probe's and the cast's (idempotent: a close an interrupt cut short is completed by the next)"
+        while self.handles:
+            self.handles[-1].remove()
+            self.handles.pop()
         self.cast.restore()
         self.outs = []
 
@@ -418,6 +424,10 @@ class PrecisionProbe:
 # %% ../nbs/07_doctor.ipynb #6ce5d5b0
 def _attrs(m:nn.Module) -> list: return [(o, dict(vars(o))) for o in m.modules()] # (a stateful RNN's hidden state)
 
+def _hook_dicts(m:nn.Module) -> list: # A module's forward hooks and what torch keeps beside them, by hook id
+    return [getattr(m, k) for k in ('_forward_pre_hooks', '_forward_pre_hooks_with_kwargs', '_forward_hooks', '_forward_hooks_with_kwargs',
+                                     '_forward_hooks_always_called') if isinstance(getattr(m, k, None), dict)]
+
 def _set_attrs(attrs:list) -> None:
     for o,d in attrs:
         now = vars(o)
@@ -469,14 +479,19 @@ class _Untouched:
     def __enter__(self):
         # `training`, plain attributes (an RNN's hidden state); the learner's (`pred`, `xb`) and its callbacks'
         self.vars = [(o, dict(vars(o))) for o in [*self.model.modules(), self.learn, *self.learn.cbs]]
+        self.hooks = [(d, dict(d)) for m in self.model.modules() for d in _hook_dicts(m)] # (what they hold: the probe's go, whatever cut its close short)
         self.bufs = [(m, k, b, b.clone()) for m in self.model.modules() for k,b in m._buffers.items() if b is not None]
         self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
                     torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
         self.dl_vars = dict(vars(self.dl)) if self.dl is not None else None
         self.dl_rng = self.dl.rng.getstate() if isinstance(getattr(self.dl, 'rng', None), random.Random) else None
         return self
-    def __exit__(self, *exc):
+    def __exit__(self, *exc): until_done(self._restore) # (a second Ctrl-C cannot leave half of it undone)
+
+    def _restore(self) -> None: # (idempotent)
         _set_attrs(self.vars) # the same objects as before: `_parameters`, `_buffers`, hook dicts, ...
+        for d,held in self.hooks:
+            if d != held: d.clear(); d.update(held)
         with torch.no_grad():
             for m,k,b,v in self.bufs:
                 m._buffers[k] = b
@@ -546,7 +561,7 @@ def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:b
                 learn.xb,learn.yb = b[:n_inp],b[n_inp:]
                 probe.measure(learn.xb, loss_of)
             res = probe.read()
-        finally: probe.close()
+        finally: until_done(probe.close)
     res.attrs['n_batches'] = n
     return res
 

@@ -6,13 +6,15 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/learner.html.md"""
 
 # %% ../nbs/05_learner.ipynb #d3c14c47
 from __future__ import annotations
-import inspect, warnings
+import inspect, math, numbers, warnings
+import numpy as np
 from contextlib import ExitStack
 from functools import wraps
 from fastai.basics import * # and no more of fastai: its `callback.progress` would add a progress bar to every learner
 from .policy import check_castable, unmatched_names, cast_summary
 from .callback import MasterMixedPrecision, check_no_fastai_fp16
 from .fused import carry_scaler, drop_scaler
+from .mixed_fit import until_done
 from . import checkpoint, doctor # (each adds its `Learner` methods: the checkpoint helpers, `precision_report`)
 
 # %% auto #0
@@ -78,20 +80,27 @@ def to_mixed(self:Learner,
         warnings.warn(f"keep_fp32: the name pattern {k!r} matches no module of the model (names look like "
                       f"{[n for n,_ in self.model.named_modules()][1:4]}); to keep a type of layer, pass the class itself.", stacklevel=2)
     old = self._grab_cbs(MasterMixedPrecision)
-    if old: # the later settings win; the count of skipped steps and the history go on
-        cb.scaler.skipped,cb.scaler.history = old[-1].scaler.skipped,old[-1].scaler.history
-        self.to_unmixed()
-    carry_scaler(self, cb.scaler)
-    return self.add_cb(cb)
+    if old: cb.scaler.skipped,cb.scaler.history = old[-1].scaler.skipped,old[-1].scaler.history # the later settings win; the count of skipped steps and the history go on
+    until_done(lambda: _mix(self, old, cb)) # (whole: a Ctrl-C in the middle completes it, then is raised)
+    return self
+
+def _mix(learn, old:list, cb:MasterMixedPrecision) -> None: # (idempotent)
+    _unmix(learn, old)
+    carry_scaler(learn, cb.scaler)
+    if cb not in learn.cbs: learn.add_cb(cb)
+
+def _unmix(learn, cbs:list) -> None: # (idempotent)
+    for cb in cbs: cb.end_fit()
+    drop_scaler(learn)
+    learn.remove_cbs(cbs)
 
 # %% ../nbs/05_learner.ipynb #0431f333
 @patch
 def to_unmixed(self:Learner) -> Learner: # The learner itself, training in FP32
     "Remove `MasterMixedPrecision`: the inverse of `to_mixed`, also in the middle of a fit (which goes on in FP32)"
     cbs = self._grab_cbs(MasterMixedPrecision)
-    for cb in cbs: cb.end_fit()
-    drop_scaler(self)
-    return self.remove_cbs(cbs)
+    until_done(lambda: _unmix(self, cbs)) # (whole: a Ctrl-C in the middle completes it, then is raised)
+    return self
 
 # %% ../nbs/05_learner.ipynb #6b9b632a
 @patch
@@ -123,10 +132,18 @@ def _mixed_cbs(learn, cbs=None) -> list:
     "Our callbacks on `learn`, and those in `cbs` (passed to one `fit`): those with a `running_fit` (`MasterMixedPrecision`, `ShardedTrainer`)"
     return list(dict.fromkeys(c for c in [*learn.cbs, *L(cbs)] if callable(getattr(type(c), 'running_fit', None))))
 
+def _check_lr(lr) -> None:
+    "Refuse a learning rate that would turn the FP32 weights inf or NaN at the first step, naming it"
+    vals = [lr.start, lr.stop] if isinstance(lr, slice) else list(np.ravel(np.asarray(lr, dtype=object))) if lr is not None else []
+    bad = [v for v in vals if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0)]
+    if bad: raise ValueError(f"fit(lr={lr!r}): the learning rate must be a finite number >= 0 (or None, the learner's own), got {bad[0]!r}")
+
 @wraps(_fastai_fit)
 def _fit(self, *args, **kwargs):
-    mine = _mixed_cbs(self, _fit_signature.bind(self, *args, **kwargs).arguments.get('cbs'))
+    arguments = _fit_signature.bind(self, *args, **kwargs).arguments
+    mine = _mixed_cbs(self, arguments.get('cbs'))
     if not mine: return _fastai_fit(self, *args, **kwargs)
+    _check_lr(arguments.get('lr'))
     for cb in mine:
         if isinstance(cb, MasterMixedPrecision) and cb.wants_auto: cb.take_auto(doctor.auto_fp32(self, cb.dtype, cb.keep, cb.loss_scale, cb.scaler.dynamic)) # `keep_fp32='auto'`: measured before the first fit casts
     with ExitStack() as stack: # (each ends its part however the fit ends; `MixedFit`'s raises a storm's error once every `after_fit` ran)

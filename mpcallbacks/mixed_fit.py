@@ -20,7 +20,7 @@ from .distributed import RankAgreement, local_tensor
 from .scaler import LossScaler, NonFiniteGradients, InFlightFlag
 
 # %% auto #0
-__all__ = ['FitPhase', 'SkippedStepsWarning', 'MixedFit']
+__all__ = ['FitPhase', 'SkippedStepsWarning', 'MixedFit', 'until_done']
 
 # %% ../nbs/03a_mixed_fit.ipynb #52f39364
 class FitPhase(Enum):
@@ -87,7 +87,7 @@ class MixedFit:
     ):
         self.scaler = LossScaler(1., dynamic=False) if scaler is None else scaler
         self.phase = FitPhase.IDLE
-        self.fits = 0 # `Learner.fit` calls running (`running_fit`): a fit casts from the start, and ends when the outermost ends
+        self.running = {} # token -> the frame of each `Learner.fit` call running (`running_fit`): a fit casts from the start, and ends when the outermost ends
         self.stopped_by:Exception|None = None # What cancelled the fit (a storm of skipped steps), raised when every `after_fit` ran
         self.fit_start:tuple|None = None # `(steps, skipped)` of the scaler when the running fit began: what its end reports
         self.skip_loss:float|None = None # The loss once the host knew of the running fit's first skip (read once)
@@ -100,6 +100,14 @@ class MixedFit:
         self.nested = 0 # `before_fit`s dispatched inside this one (`get_preds` from a callback): their `after_fit` is not the end
         self._regions = [] # whether each running batch's forward region is still open, outermost first
         self._passes = [] # how many batches were running when each running validation pass began
+
+    @property
+    def fits(self) -> int:
+        "How many `Learner.fit` calls are running (nested: `lr_find` from a callback); a call no longer on the stack, whose end an interrupt cut short, is not"
+        live,f = set(),sys._getframe()
+        while f is not None: live,f = live | {id(f)},f.f_back
+        for t in [t for t,fr in self.running.items() if id(fr) not in live]: del self.running[t]
+        return len(self.running)
 
     def _to(self, phase:FitPhase) -> None:
         if phase not in self.phase.next: raise RuntimeError(f"MixedFit cannot go from {self.phase.name} to {phase.name}")
@@ -140,9 +148,18 @@ class MixedFit:
         if self.nested: self.nested -= 1
         else: self.close()
 
-    def running_fit(self): # A context manager
+    def running_fit(self,
+        frame=None, # The frame of the `Learner.fit` call it spans; None: its caller's
+    ): # A context manager
         "The length of one `Learner.fit` call: the fit casts from its `before_fit`, its close comes however it ends, and a storm's `NonFiniteGradients` is raised once every `after_fit` ran"
-        return _running_fit(self)
+        return _running_fit(self, frame or sys._getframe(1))
+
+    def close_if_over(self,
+        frame, # The frame of a `Learner.fit` call that is over
+    ) -> None:
+        "The `Learner.fit` call of `frame` is over: a second chance for the end `running_fit` makes, should a second Ctrl-C cut it short"
+        for t in [t for t,f in self.running.items() if f is frame]: del self.running[t]
+        if not self.fits: self.close()
 
     def dispatches(self,
         event:str, # The name of a fastai event
@@ -200,7 +217,9 @@ class MixedFit:
     def end_validation(self) -> None:
         "`after_validate`: the pass's batches are over; 16-bit inference lets the model go (and an `after_epoch` that raises cannot keep it)"
         self.end_batches(self._passes.pop() if self._passes else 0)
-        if self.per_pass and not self._passes and self.cast is not None: self.cast,cast = None,self.cast; cast.restore()
+        if self.per_pass and not self._passes and self.cast is not None:
+            self.cast.restore() # (first: a Ctrl-C in it leaves the cast held, and the close restores it again)
+            self.cast = None
 
     # The step, as `torch.amp.GradScaler` takes it: scale, unscale and check, step or skip, update.
     def scale(self,
@@ -291,13 +310,7 @@ class MixedFit:
         "End the fit: the model runs in FP32, with no hook of ours; the scaler's flags read; nothing of the fit held. Idempotent, and a Ctrl-C in the middle finishes it before it is raised"
         if self.phase is FitPhase.IDLE: return
         if self.phase is not FitPhase.CLOSING: self._to(FitPhase.CLOSING) # (from here on, every call completes the close first)
-        interrupted = None
-        while True:
-            try:
-                self._close_once()
-                break
-            except KeyboardInterrupt as e: interrupted = interrupted or e # cleanup that cannot half-happen: again, then raise
-        if interrupted is not None: raise interrupted
+        until_done(self._close_once) # (cleanup that cannot half-happen: a Ctrl-C in it is raised once it is done)
         self._report()
 
     def _report(self) -> None:
@@ -318,7 +331,7 @@ class MixedFit:
                     stopped = self.stopped_by
                     try: self.update()
                     except (NonFiniteGradients, CancelFitException): self.stopped_by = stopped # (the fit ends here anyway)
-                if self.grads.phase is GradPhase.SCALED: self.grads.skip()
+                if self.grads.phase in (GradPhase.SCALED, GradPhase.UNSCALED): self.grads.skip() # (a step that never came: its gradients would join the next fit's)
             self.scaler.settle()
         finally:
             _note_dtype_clash(sys.exc_info()[1]) # (the error a forward raised, if that is what ends the fit)
@@ -328,13 +341,27 @@ class MixedFit:
 
 # %% ../nbs/03a_mixed_fit.ipynb #5b57e76a
 @contextmanager
-def _running_fit(fit:MixedFit):
+def _running_fit(fit:MixedFit, frame):
     if not fit.fits: fit.close() # an inference left open by a bare `with learn:` is not this fit
-    fit.fits += 1
+    token = object()
+    fit.running[token] = frame
     try: yield
-    finally:
-        fit.fits -= 1
-        if not fit.fits: fit.close()
+    finally: until_done(lambda: _end_running(fit, token)) # (a second Ctrl-C while the first unwinds cannot leave the fit open)
     if fit.stopped_by is not None: # (the fit ended without an error of its own: its storm is raised here)
         err,fit.stopped_by = fit.stopped_by,None
         raise err
+
+# %% ../nbs/03a_mixed_fit.ipynb #5b57e76b
+def _end_running(fit:MixedFit, token) -> None: # (idempotent: dropping a token twice is nothing, closing a closed fit too)
+    fit.running.pop(token, None)
+    if not fit.fits: fit.close()
+
+def until_done(f) -> None:
+    "Call `f` (idempotent) until it returns: a Ctrl-C in it is held, `f` completed, and the Ctrl-C raised then"
+    interrupted = None
+    while True:
+        try:
+            f()
+            break
+        except KeyboardInterrupt as e: interrupted = interrupted or e
+    if interrupted is not None: raise interrupted

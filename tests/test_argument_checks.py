@@ -96,3 +96,13 @@ def test_the_doctor_never_advises_a_static_float16_scale_that_to_mixed_refuses()
     assert all(2.**k <= 65504 for k in advised), advised # it advised a static 2**44
     for k in advised: tiny_loss_learner().to_mixed(torch.float16, loss_scale=2.**k)
     assert "use loss_scale='dynamic'" in rep.reason[0]
+
+@pytest.mark.parametrize('lr', [float('nan'), float('inf'), -1e-3, slice(1e-4, float('nan'))])
+def test_a_learning_rate_that_would_ruin_the_weights_is_refused_naming_it(lr):
+    "fit(lr=nan) turned every weight NaN at the first step, and the error that followed blamed the scale"
+    from intact import assert_fp32_and_intact
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    before = [p.detach().clone() for p in learn.model.parameters()]
+    with pytest.raises(ValueError, match=r'fit\(lr=.*the learning rate must be a finite number >= 0'): learn.fit(1, lr)
+    assert all(torch.equal(a, b) for a,b in zip(before, learn.model.parameters()))
+    assert_fp32_and_intact(learn)
