@@ -114,7 +114,7 @@ class ModelCast:
 
     def __repr__(self): return f"{type(self).__name__}({type(self.model).__name__} to {self.dtype}, {len(self.kinds)} hooked modules)"
 
-    def _state(self) -> tuple: # (open regions: (autocast context, hooked calls when it opened), running hooked calls)
+    def _state(self) -> tuple: # (open regions: (autocast's state before it, hooked calls when it opened), running hooked calls)
         t = self._thread
         if not hasattr(t, 'regions'): t.regions,t.calls = [],[]
         return t.regions,t.calls
@@ -127,18 +127,23 @@ class ModelCast:
     def begin(self) -> None:
         "Open a region in this thread: forwards from here to `end` run in 16 bits"
         regions,calls = self._state()
-        ac = torch.autocast(self.device_type, self.dtype)
-        ac.__enter__()
-        regions.append((ac, len(calls)))
+        dev = self.device_type # (the state to go back to is recorded first: an interrupt part way leaves nothing unrecorded)
+        regions.append(((torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev), torch.is_autocast_cache_enabled()), len(calls)))
+        torch.set_autocast_dtype(dev, self.dtype)
+        torch.set_autocast_enabled(dev, True)
 
     def end(self) -> None:
-        "Close this thread's innermost region (if any): a hooked call it left running is undone, autocast is as before it"
+        "Close this thread's innermost region (if any): a hooked call it left running is undone, autocast is as before it, its casts freed"
         regions,calls = self._state()
         if not regions: return
-        ac,depth = regions[-1]
-        while len(calls) > depth: self._leave(calls.pop()) # (a call an interrupt cut short)
+        (enabled,dtype,cache),depth = regions[-1]
+        while len(calls) > depth: # (a call an interrupt cut short; undone, then forgotten)
+            self._leave(calls[-1])
+            calls.pop()
+        dev = self.device_type
+        torch.set_autocast_enabled(dev, enabled); torch.set_autocast_dtype(dev, dtype); torch.set_autocast_cache_enabled(cache)
+        torch.clear_autocast_cache() # (a weight's cast serves one forward: the step writes the masters)
         regions.pop()
-        ac.__exit__(None, None, None)
 
     def register(self) -> None:
         "Register the hooks, once: on each module whose policy needs them"
@@ -151,33 +156,37 @@ class ModelCast:
         regions,calls = self._state()
         kind = self.kinds.get(id(m)) # (None: a module that shares the hooks of one of ours, as `nn.DataParallel`'s replicas do)
         if not regions or kind is None: return None # (outside a region: FP32, as written)
-        calls.append((m, torch.is_autocast_enabled(self.device_type), self._cast_weights(m) if kind == 'recurrent' else None))
+        swapped = [] # (recorded with the call before any weight is swapped: `_leave` undoes whatever an interrupt left)
+        calls.append((m, torch.is_autocast_enabled(self.device_type), swapped))
+        if kind == 'recurrent': self._cast_weights(m, swapped)
         torch.set_autocast_enabled(self.device_type, False)
         dtype = self.dtype if kind == 'recurrent' else torch.float32
         return cast_floats(args, dtype),cast_floats(kwargs, dtype)
 
     def _post(self, m:nn.Module, args:tuple, kwargs:dict, out):
         _,calls = self._state()
-        if calls and calls[-1][0] is m: self._leave(calls.pop())
+        if calls and calls[-1][0] is m:
+            self._leave(calls[-1])
+            calls.pop()
         return None
 
-    def _cast_weights(self, m:nn.Module) -> list: # (name, what the slot held, whether a parameter slot) of each weight cast
+    def _cast_weights(self,
+        m:nn.Module, # A recurrent layer
+        swapped:list, # Where each swap is recorded before it is made: (name, what the slot held, whether a parameter slot)
+    ) -> None:
         "Put a 16-bit cast of each of a recurrent layer's weights into its slot"
-        names = getattr(m, '_flat_weights_names', None) or list(m._parameters)
-        res = []
-        for n in names:
+        for n in getattr(m, '_flat_weights_names', None) or list(m._parameters):
             t = getattr(m, n, None)
             if not isinstance(t, Tensor) or not t.is_floating_point() or t.dtype == self.dtype: continue
             slot = n in m._parameters
-            res.append((n, t, slot))
+            swapped.append((n, t, slot))
             if slot: m._parameters[n] = t.to(self.dtype)
             else: setattr(m, n, t.to(self.dtype)) # (a weight kept as a plain attribute: AWD-LSTM's weight dropout sets one)
-        return res
 
     def _leave(self, call:tuple) -> None:
         "A hooked call is over: its weights back in their slots, autocast as it was"
         m,enabled,swapped = call
-        for n,t,slot in swapped or ():
+        for n,t,slot in swapped:
             if slot: m._parameters[n] = t
             else: setattr(m, n, t)
         if swapped and hasattr(m, '_flat_weights_names'): # an RNN's list of its weights, as its own `_init_flat_weights` makes it,
@@ -202,18 +211,16 @@ class ModelCast:
 
 # %% ../nbs/00_cast.ipynb #df5368a5
 _casting = {} # id(module) -> the `ModelCast` that holds it, while registered
-_lock = threading.Lock()
 
 def _take(cast:ModelCast) -> None:
-    with _lock:
-        taken = [m for m in cast.model.modules() if id(m) in _casting]
-        if taken: raise ValueError(f"A module of this model ({type(taken[0]).__name__}) is already cast for another fit: one "
-                                   "module can train in one mixed-precision fit at a time.")
-        _casting.update({id(m):cast for m in cast.model.modules()})
+    "Register each module of the cast's model, or refuse if one is taken; `setdefault` is atomic, so two threads cannot both take one (no lock: an interrupt cannot leave one held)"
+    for m in cast.model.modules():
+        holder = _casting.setdefault(id(m), cast)
+        if holder is not cast: raise ValueError(f"A module of this model ({type(m).__name__}) is already cast for another fit: one "
+                                                "module can train in one mixed-precision fit at a time.")
 
 def _release(cast:ModelCast) -> None:
-    with _lock:
-        for k in [k for k,v in _casting.items() if v is cast]: del _casting[k]
+    for k in [k for k,v in list(_casting.items()) if v is cast]: _casting.pop(k, None)
 
 def cast_holding(
     module:nn.Module, # A module of a model
