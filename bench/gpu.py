@@ -552,15 +552,20 @@ def run_cuda_tests(timeout_s:float=180., ids:list|None=None) -> dict:
 
 # ---- c. the throughput table
 
-def run_table(device, smoke:bool=False, sizes:Sizes|None=None, budget:Budget|None=None, models:tuple=('resnet', 'gpt')) -> list:
+def run_table(device, smoke:bool=False, sizes:Sizes|None=None, budget:Budget|None=None, models:tuple=('resnet', 'gpt'),
+              rows:list|None=None, # The list the rows go into (a new one: None), as they are measured
+              progress:Callable|None=None, # Called with no argument after each row's measurement
+             ) -> list:
     """One row per (model, config, optimizer) of `rows_order`: throughput, peaks, syncs per step beyond FP32's, energy, the largest batch.
     All throughputs, peaks and syncs first, model by model; then the largest batches: the budget cuts the probes first."""
     sizes = sizes or sizes_for['smoke' if smoke else 'default']
     budget = budget or Budget(float('inf'), time.perf_counter())
-    with frozen_heap(): return _run_table(torch.device(device), smoke, sizes, budget, models)
+    rows = [] if rows is None else rows
+    with frozen_heap(): _run_table(torch.device(device), smoke, sizes, budget, models, rows, progress or (lambda: None))
+    return rows
 
-def _run_table(device, smoke:bool, sizes:Sizes, budget:Budget, models:tuple) -> list:
-    ws,energy,rows = workloads(smoke),Energy(device),[]
+def _run_table(device, smoke:bool, sizes:Sizes, budget:Budget, models:tuple, rows:list, progress:Callable) -> None:
+    ws,energy = workloads(smoke),Energy(device)
     for key in models:
         w = ws[key]
         baseline = {} # optimizer -> FP32's syncs
@@ -597,6 +602,7 @@ def _run_table(device, smoke:bool, sizes:Sizes, budget:Budget, models:tuple) -> 
                 + (f", {row['peak_small_MiB']:.0f} at {w.bs_small}" if row.get('peak_small_MiB') is not None else '')
                 + ''.join(f", {phase}: {msg}" for phase,msg in row['errors'].items())
                 + (f", skipped (budget): {', '.join(row['skipped'])}" if row['skipped'] else ''))
+            progress()
     for row in rows: # the largest batches, last
         w = ws[row['key']]
         if device.type != 'cuda':
@@ -623,7 +629,7 @@ def _run_table(device, smoke:bool, sizes:Sizes, budget:Budget, models:tuple) -> 
         lb = row['largest']
         log(f"{row['model']} | {row['config']} | {row['opt']}: largest batch predicted {lb['predicted']}, probes "
             + ', '.join(f"{n} {'fits' if ok else 'does not fit' if ok is False else 'error'}" + (f' ({note})' if not ok else '') for n,ok,note in lb['probes']))
-    return rows
+        progress()
 
 # ---- targets and tables
 
@@ -740,6 +746,7 @@ def environment(device) -> dict:
 
 def run_gpu(device, smoke:bool=False, quick:bool=False, budget_s:float=400., tests:bool=True, models:tuple=('resnet', 'gpt'),
             start:float|None=None, # When the budget's time began (`time.perf_counter()`); None: now
+            out_dir:Path|None=None, # Where the results so far are written after each phase and row (a run stopped from outside leaves them)
            ) -> dict:
     "Preflight, the CUDA-only tests, the throughput table, the targets: everything `main` writes"
     device = torch.device(device)
@@ -748,15 +755,22 @@ def run_gpu(device, smoke:bool=False, quick:bool=False, budget_s:float=400., tes
     phases = {}
     env = environment(device)
     env['tf32_found'] = tf32_settings()
+    res = dict(env=env, sizes=sizes._asdict(), smoke=smoke, quick=quick, budget_s=budget_s, complete=False, preflight=[], tests=None,
+               rows=[], targets=[], phases=phases)
+    def save():
+        phases['total'] = budget.elapsed()
+        res['targets'] = [dict(target=t, measured=m, met=ok) for t,m,ok in table_targets(res['rows'])]
+        if out_dir is not None: write_results(res, out_dir)
     log(f"{env.get('gpu') or env.get('cpu')}; torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']}), fastai {env['fastai']}, "
         f"Python {env['python']}; TF32 as found: {env['tf32_found']}")
     with tf32_off() as used, frozen_heap():
         env['tf32_used'] = used
         log(f"TF32 off for every config: {used}")
         t0 = time.perf_counter()
-        preflight = run_preflight(device)
+        res['preflight'] = run_preflight(device)
         phases['preflight'] = time.perf_counter() - t0
         release(device)
+        save()
         t0 = time.perf_counter()
         if not tests: test_res = dict(status='SKIP', summary='not run (tests=False)', ids=cuda_only_tests(), secs=0.)
         elif budget.left() < 60: test_res = dict(status='SKIP', summary='skipped: not within the time budget', ids=cuda_only_tests(), secs=0.)
@@ -764,17 +778,20 @@ def run_gpu(device, smoke:bool=False, quick:bool=False, budget_s:float=400., tes
             log(f"CUDA-only tests: {' '.join(cuda_only_tests())}")
             test_res = run_cuda_tests(timeout_s=min(180., budget.left() - 45))
         phases['tests'] = time.perf_counter() - t0
+        res['tests'] = test_res
         log(f"tests {test_res['status']}: {test_res['summary']}")
+        save()
         t0 = time.perf_counter()
-        rows = run_table(device, smoke, sizes, budget, models)
+        run_table(device, smoke, sizes, budget, models, rows=res['rows'], progress=save)
         phases['table'] = time.perf_counter() - t0
-    phases['total'] = budget.elapsed()
-    return dict(env=env, sizes=sizes._asdict(), smoke=smoke, quick=quick, budget_s=budget_s, preflight=preflight, tests=test_res,
-                rows=rows, targets=[dict(target=t, measured=m, met=ok) for t,m,ok in table_targets(rows)], phases=phases)
+    res['complete'] = True
+    save()
+    return res
 
 def gpu_markdown(res:dict) -> str:
     "The markdown section of a `run_gpu` result, in the style of bench/results/results.md"
-    env,s = res['env'],res['sizes']
+    env,s,ph = res['env'],res['sizes'],res['phases']
+    secs = lambda k: f"{ph[k]:.0f} s" if k in ph else 'not run'
     where = (f"{env['gpu']} ({env['gpu_memory_GiB']:.0f} GiB, {env['sms']} SMs, compute capability {env['capability']}, driver {env['driver']})"
              if env.get('gpu') else f"CPU: {env['cpu']}, {env['threads']} torch threads (smoke run: no CUDA)")
     head = (f"### GPU: whole training steps{' (smoke run, tiny models)' if res['smoke'] else ''}\n\n"
@@ -782,12 +799,13 @@ def gpu_markdown(res:dict) -> str:
             f"TF32 as found: {', '.join(f'{k}={v}' for k,v in env['tf32_found'].items())}; **every config ran with TF32 off** "
             f"({', '.join(f'{k}={v}' for k,v in env['tf32_used'].items())}), so FP32 is true FP32. cudnn.benchmark={env['cudnn_benchmark']}. "
             f"{s['warmup']} warm-up batches, then {s['n_windows']} timed windows of {s['window']} batches"
-            f"{' (--quick)' if res['quick'] else ''}. Run time {res['phases']['total']:.0f} s of a {res['budget_s']:.0f} s budget "
-            f"(preflight {res['phases']['preflight']:.0f} s, tests {res['phases']['tests']:.0f} s, table {res['phases']['table']:.0f} s)."
+            f"{' (--quick)' if res['quick'] else ''}. Run time {ph['total']:.0f} s of a {res['budget_s']:.0f} s budget "
+            f"(preflight {secs('preflight')}, tests {secs('tests')}, table {secs('table')})."
+            + ('' if res['complete'] else " **Incomplete: the run had not reached its end when this was written; what follows is what it had measured.**")
             + (" A smoke run checks that everything runs and the table is whole: its numbers and targets say nothing of a GPU." if res['smoke'] else ''))
     pre = ('#### a. Preflight\n\n' + md_table(['check', 'result', 'detail', 's'],
            [[p['check'], p['status'] if p['status'] != 'FAIL' else '**FAIL**', p['detail'], f"{p['secs']:.1f}"] for p in res['preflight']]))
-    t = res['tests']
+    t = res['tests'] or dict(status='not run yet', summary='-', secs=0., ids=[])
     tests = (f"#### b. CUDA-only tests\n\n**{t['status']}**: {t['summary']} ({t['secs']:.0f} s). "
              + (f"`{t['cmd']}`" if t.get('cmd') else '') + '\n\n' + '\n'.join(f"- `{i}`" for i in t['ids']))
     if t['status'] == 'FAIL' and t.get('tail'): tests += '\n\n```\n' + t['tail'] + '\n```'
@@ -814,14 +832,17 @@ def main(argv:list|None=None, start:float|None=None) -> dict: # start: when the 
     if not args.budget_s > 0: ap.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
     models = tuple(m for m in args.models.split(',') if m)
     if not models or set(models) - {'resnet', 'gpt'}: ap.error(f"--models takes resnet and/or gpt, comma-separated, got {args.models!r}")
-    device = torch.device(args.device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+    try: device = torch.device(args.device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+    except RuntimeError: device = None
+    if device is None or device.type not in ('cuda', 'cpu'): ap.error(f"--device takes 'cuda', 'cuda:N' or 'cpu', got {args.device!r}")
     if device.type == 'cuda' and not torch.cuda.is_available():
         sys.exit(f"bench.gpu: --device {args.device} but torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)")
     if device.type != 'cuda' and not args.smoke:
         sys.exit(f"bench.gpu needs a CUDA device: torch {torch.__version__} sees none here (torch.cuda.is_available() is "
                  f"{torch.cuda.is_available()}, --device {args.device}). `python -m bench.gpu --smoke` runs its tiny sizes on the CPU.")
     out_dir = Path(args.out) if args.out else results_dir if not args.smoke else Path(tempfile.mkdtemp(prefix='bench-gpu-smoke-'))
-    res = run_gpu(device, smoke=args.smoke, quick=args.quick, budget_s=args.budget_s, tests=not args.no_tests, models=models, start=start)
+    res = run_gpu(device, smoke=args.smoke, quick=args.quick, budget_s=args.budget_s, tests=not args.no_tests, models=models, start=start,
+                  out_dir=out_dir)
     md,js = write_results(res, out_dir)
     print(js.read_text(), flush=True)
     print('\n' + md.read_text(), flush=True) # (last: the end of the output is what a short log shows)

@@ -33,6 +33,8 @@ def test_smoke_run_measures_every_config_and_writes_the_table(tmp_path, capsys):
                  '| to_mixed(bfloat16) | fused AdamW |', "| to_mixed(float16) | fastai Adam |", '**every config ran with TF32 off**'):
         assert part in md, part
     assert json.loads((tmp_path / 'gpu.json').read_text())['rows'][0]['config'] == 'FP32'
+    partial = dict(res, complete=False, tests=None, rows=rows[:3], phases=dict(total=9., preflight=2.)) # (as written while it runs)
+    assert 'Incomplete' in gpu.gpu_markdown(partial) and 'tests not run' in gpu.gpu_markdown(partial)
     assert '#### Targets' in capsys.readouterr().out # (both printed too)
     assert not torch.is_autocast_enabled('cpu') and torch.backends.cudnn.allow_tf32 # (nothing left behind: TF32's flags restored)
 
@@ -41,6 +43,7 @@ def test_without_cuda_main_says_so_unless_smoke():
     with pytest.raises(SystemExit, match='needs a CUDA device.*--smoke'): gpu.main([])
     with pytest.raises(SystemExit): gpu.main(['--smoke', '--budget-s', '0']) # (argparse: --budget-s must be positive)
     with pytest.raises(SystemExit): gpu.main(['--smoke', '--models', 'resnet,vgg'])
+    with pytest.raises(SystemExit): gpu.main(['--smoke', '--device', 'meta'])
 
 def test_largest_batch_is_predicted_by_a_line_and_confirmed_by_two_probes_at_most():
     peak = lambda bs: 100. + 10. * bs # MiB: the model and its state, and 10 MiB per sample
