@@ -13,7 +13,8 @@
 # `mpcallbacks.all` and `bench.gpu` (fasthtml's uvicorn, httpx, oauthlib, fastlite, beautifulsoup4, ...; fastai's spacy,
 # for fastai.text only).
 #
-# On the device machine, from the repository root, with `.whl` carried (the device tool's `carry: [".whl"]`), one line:
+# On the device machine, from the repository root, with `.whl` carried (the device tool's `carry: [".whl"]`, timeout_s about
+# 540: bench.gpu's default budget is 400 s), one line:
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail; PYTHONUNBUFFERED=1 python3 -m bench.gpu --out $OUT 2>&1 | tee $OUT/gpu_log.txt
 #
