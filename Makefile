@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements-dev.txt constraints.txt pyp
 QUIET_PIP := { grep -v '^WARNING: Location' || true; } # hide this machine's pip notices; pip's own failure still fails (pipefail)
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install demo test sync-check nbtest pytest stack-test bench readme readme-check dist-check docs docs-check
+.PHONY: install demo test sync-check nbtest pytest stack-test bench gpu-wheels readme readme-check dist-check docs docs-check
 
 $(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -106,6 +106,12 @@ dist-check: $(STAMP)
 # `-m bench.step_peak` (their peak memory), `-m bench.syncs`, `-m bench.memory`, `-m bench.sharded`.
 bench: $(STAMP)
 	$(PY) -m bench.run
+
+# The GPU table (`python -m bench.gpu`, see its docstring) runs on a machine with CUDA but without fastai and without a
+# package registry: this downloads the 11 wheels it lacks (2.4 MB, constraints.txt's versions, for CPython
+# 3.12) into .whl/, which that machine installs into /tmp/site with the line in tools/gpu_wheels.sh's header.
+gpu-wheels:
+	tools/gpu_wheels.sh $(if $(wildcard $(PY)),$(PY),python3)
 
 # The docs site without Quarto: nbdev's processed notebooks (_proc/) through nbconvert's HTML exporter into _docs/, one
 # page per notebook, with the sidebar of nbs/sidebar.yml (see tools/build_docs.py for why nbconvert).

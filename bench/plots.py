@@ -78,11 +78,18 @@ def plot_syncs(rows:list, out:Path) -> Path:
     return _save(fig, out/'syncs.png')
 
 def plot_cuda(rows:list, out:Path) -> Path:
-    archs = list(dict.fromkeys(r['arch'] for r in rows))
-    configs = list(dict.fromkeys(r['config'] for r in rows))
-    val = {(r['arch'], r['config']):r for r in rows}
-    fig,(ax1,ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    _grouped_bars(ax1, archs, {c:[val[(a, c)]['images_per_s'] for a in archs] for c in configs}, 'images/s (224 px)')
-    _grouped_bars(ax2, archs, {c:[val[(a, c)]['largest_batch'] or 0 for a in archs] for c in configs}, 'largest batch that fits')
+    "Section 5: each config's throughput and largest batch over FP32's (fused AdamW), model by model"
+    models = list(dict.fromkeys(r['model'] for r in rows))
+    series = list(dict.fromkeys((r['config'], r['opt']) for r in rows))
+    val = {(r['model'], r['config'], r['opt']):r for r in rows}
+    def rel(m, c, o, get):
+        r,fp32 = val.get((m, c, o)),val.get((m, 'FP32', 'fused AdamW'))
+        a,b = (get(r) if r else None),(get(fp32) if fp32 else None)
+        return a / b if a and b else 0.
+    rate = lambda r: r.get('rate')
+    largest = lambda r: (r.get('largest') or {}).get('predicted')
+    fig,(ax1,ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    _grouped_bars(ax1, models, {f'{c}, {o}':[rel(m, c, o, rate) for m in models] for c,o in series}, 'throughput / FP32 (TF32 off)')
+    _grouped_bars(ax2, models, {f'{c}, {o}':[rel(m, c, o, largest) for m in models] for c,o in series}, 'largest batch (predicted) / FP32')
     fig.suptitle('5. CUDA throughput')
     return _save(fig, out/'cuda_throughput.png')
