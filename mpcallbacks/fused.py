@@ -6,9 +6,9 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/fused.html.md"""
 
 # %% ../nbs/02a_fused.ipynb #07271ea0
 from __future__ import annotations
-import copy
 from functools import partial
 from fastcore.basics import GetAttr
+from fastai.learner import Learner
 import torch
 from torch import Tensor
 from fastai.optimizer import (Optimizer, OptimWrapper, weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat,
@@ -168,7 +168,7 @@ class OptimizerWithScaler(GetAttr):
 def _with_scaler(opt_func, scaler, params, **kwargs): return OptimizerWithScaler(opt_func(params, **kwargs), scaler)
 
 class ScalerOptFunc(partial):
-    "A learner's `opt_func` whose optimizers carry `scaler`; pickled (in `learn.export`), it is the `opt_func` it wraps"
+    "A learner's `opt_func` whose optimizers carry `scaler`, shown as the `opt_func` it wraps (`learn.summary()`)"
     def __new__(cls, opt_func, scaler:LossScaler):
         lr = opt_func.keywords.get('lr') if isinstance(opt_func, partial) else None # fastai's `create_opt` reads it there
         return super().__new__(cls, _with_scaler, opt_func, scaler, **({} if lr is None else {'lr': lr}))
@@ -176,7 +176,12 @@ class ScalerOptFunc(partial):
     def inner(self): # The `opt_func` it wraps
         "The learner's own `opt_func`"
         return self.args[0]
-    def __reduce__(self): return (copy.copy, (self.inner,)) # an export loads without mpcallbacks
+    @property
+    def scaler(self) -> LossScaler:
+        "The loss scaler its optimizers carry"
+        return self.args[1]
+    def __repr__(self): return repr(self.inner) # as the user gave it
+    def __reduce__(self): return (type(self), (self.inner, self.scaler)) # (a copy; a pickle of the learner holds the `opt_func` it wraps)
 
 # %% ../nbs/02a_fused.ipynb #e815cf45
 def carry_scaler(learn:Learner, scaler:LossScaler) -> None:
@@ -186,7 +191,8 @@ def carry_scaler(learn:Learner, scaler:LossScaler) -> None:
     if getattr(learn, 'opt', None) is not None: learn.opt = OptimizerWithScaler(learn.opt, scaler)
 
 # %% ../nbs/02a_fused.ipynb #766de9e8
-def drop_scaler(learn:Learner) -> None:
-    "Undo `carry_scaler`"
-    if isinstance(learn.opt_func, ScalerOptFunc): learn.opt_func = learn.opt_func.inner
-    if isinstance(getattr(learn, 'opt', None), OptimizerWithScaler): learn.opt = learn.opt.opt
+def drop_scaler(learn:Learner, scaler:LossScaler|None=None) -> None:
+    "Undo `carry_scaler`: of `scaler` only, where given (another's stays)"
+    if isinstance(learn.opt_func, ScalerOptFunc) and (scaler is None or learn.opt_func.scaler is scaler): learn.opt_func = learn.opt_func.inner
+    opt = getattr(learn, 'opt', None)
+    if isinstance(opt, OptimizerWithScaler) and (scaler is None or opt.scaler is scaler): learn.opt = opt.opt
