@@ -12,7 +12,7 @@ from functools import partial
 from fastai.basics import *
 import copy # (after fastai's star import, which brings `copy.copy` in as `copy`)
 import numpy as np
-import errno, shutil, math, numbers
+import errno, shutil, math, numbers, inspect
 from .scaler import LossScaler
 from .distributed import fsdp_sharded
 from .fused import OptimizerWithScaler, scaler_key # (their earlier home: importable from here too)
@@ -32,11 +32,31 @@ def _drop_stale(folder:Path) -> None:
     if os.name != 'posix': return
     for old in folder.glob('.?*.*.tmp'): # `.{name}.{pid}.tmp`, as `replacing_file` names them
         pid = old.name[:-4].rpartition('.')[2]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)): old.unlink(missing_ok=True)
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            try: old.unlink(missing_ok=True)
+            except OSError: pass # (a folder this process may not write to: a save there fails, and says why)
 
 def _disk_full(e:BaseException) -> bool:
     "Whether `e` is a write that ran out of disk: `OSError(ENOSPC)`, or torch's zip writer's `unexpected pos` after one"
     return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (isinstance(e, RuntimeError) and 'unexpected pos' in str(e))
+
+_elsewhere = "save elsewhere (`learn.path`, `learn.model_dir`)"
+_cannot_write = { # What stops a write to a file through its temporary file, and what to do, by errno
+    errno.EACCES: f"this process may not write to {{folder}}: {_elsewhere}, or make the folder writable",
+    errno.EPERM: f"this process may not write to {{folder}}: {_elsewhere}, or make the folder writable",
+    errno.EROFS: f"{{folder}} is on a read-only file system: {_elsewhere}",
+    errno.EISDIR: "{path} is a folder: save under another name, or move the folder away",
+    errno.ENOTDIR: f"a part of {{folder}} is a file, not a folder: {_elsewhere}",
+    errno.EEXIST: f"a part of {{folder}} is a file, not a folder: {_elsewhere}",
+    errno.ENAMETOOLONG: "the name is too long for the temporary file `.{name}.<pid>.tmp` written next to it first: use a shorter name",
+}
+
+def _write_error(e:OSError, path:Path, tmp:Path) -> OSError|None:
+    "`e`, raised while writing `path` through `tmp`, as an error of its type that names `path` and what to do; None where it is about another file, or another cause"
+    ours = {str(tmp), str(path), *map(str, path.parents)}
+    if e.errno not in _cannot_write or not (e.filename is None or str(e.filename) in ours): return None
+    why = _cannot_write[e.errno].format(path=path, folder=path.parent, name=path.name)
+    return type(e)(e.errno, f"Cannot write {path} ({e.strerror}): {why}. Nothing was replaced: the previous file, if any, is intact", str(path))
 
 @contextmanager
 def replacing_file(
@@ -44,28 +64,62 @@ def replacing_file(
 ): # A context manager giving the temporary file's path
     "A temporary file in `path`'s folder to write to; it becomes `path` only once written and flushed to the disk"
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _drop_stale(path.parent)
     tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
     try:
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _drop_stale(path.parent)
             yield tmp
             with open(tmp, 'rb+') as f: os.fsync(f.fileno())
+            os.replace(tmp, path)
         except Exception as e:
-            if not _disk_full(e): raise
-            raise OSError(errno.ENOSPC, f"No space left on the disk of {path.parent} ({shutil.disk_usage(path.parent).free:,} "
-                          f"bytes free) to write {path.name}: nothing was replaced, the previous file is intact. Free "
-                          "some space, or save elsewhere (`learn.path`, `learn.model_dir`).") from e
-        os.replace(tmp, path)
-    finally: tmp.unlink(missing_ok=True)
+            if _disk_full(e):
+                raise OSError(errno.ENOSPC, f"No space left on the disk of {path.parent} ({shutil.disk_usage(path.parent).free:,} "
+                              f"bytes free) to write {path.name}: nothing was replaced, the previous file is intact. Free "
+                              "some space, or save elsewhere (`learn.path`, `learn.model_dir`).") from e
+            err = _write_error(e, path, tmp) if isinstance(e, OSError) else None
+            if err is None: raise
+            raise err from e # (the error of the hidden temporary file names it: this one names the file asked for)
+    finally:
+        try: tmp.unlink(missing_ok=True)
+        except OSError: pass # (a folder that could not be written to holds no temporary file)
+
+# %% ../nbs/05a_checkpoint.ipynb #c3e0a9d1
+def _check_name(
+    arg:str, # The argument's name
+    value, # What was passed
+    what:str, # What it names, for the error
+) -> None:
+    "Refuse a file name that is not a str or a path, or names no file, before anything changes"
+    if not isinstance(value, (str, os.PathLike)): raise TypeError(f"`{arg}` must be a str or a path ({what}), got {value!r}")
+    if not Path(value).name: raise ValueError(f"`{arg}` must name a file ({what}), got {value!r}")
+
+def _check_keywords(
+    f:str, # The function's name
+    kwargs:dict, # The keyword arguments passed
+    allowed:tuple, # Those it takes
+    instead:dict={}, # Those it refuses, and what to pass instead
+) -> None:
+    "Refuse a keyword argument `f` does not take, listing those it takes, and a switch that is not True or False, before anything changes"
+    for k in kwargs:
+        if k in instead: raise TypeError(f"{f} does not take `{k}`: {instead[k]}")
+        if k not in allowed: raise TypeError(f"{f} got an unexpected keyword argument `{k}`; it takes {', '.join(f'`{a}`' for a in allowed)}")
+    for k in ('with_opt', 'strict', 'weights_only'):
+        if k in kwargs and not isinstance(kwargs[k], bool): raise TypeError(f"`{k}` must be True or False, got {kwargs[k]!r}")
+
+# What fastai's `save` passes on (`save_model`, then `torch.save`), and what its `export` takes
+_save_keywords = ('with_opt', 'pickle_protocol', *[k for k in inspect.signature(torch.save).parameters if k not in ('obj', 'f', 'pickle_protocol')])
+_export_keywords = ('pickle_module', 'pickle_protocol')
 
 # %% ../nbs/05a_checkpoint.ipynb #8ad17b56
 @patch
 def save_atomic(self:Learner,
     file, # A name in `learn.path/learn.model_dir`, as for `learn.save`
-    **kwargs # Passed to `learn.save` (`with_opt`, `pickle_protocol`)
+    **kwargs # Passed to `learn.save` (`with_opt`, `pickle_protocol`, and torch.save's)
 ) -> Path: # Where the checkpoint is
     "`learn.save`, replacing the old file only once the new one is whole"
+    _check_name('file', file, "a name in `learn.path/learn.model_dir`, as for `learn.save`")
+    _check_keywords('save_atomic', kwargs, _save_keywords)
     path = join_path_file(file, self.path/self.model_dir, ext='.pth')
     if fsdp_sharded(self.model): return self.save(file, **kwargs) # every rank gathers; rank 0 writes, as here (`to_sharded`)
     if rank_distrib(): return path # (fastai saves on rank 0 only)
@@ -77,9 +131,11 @@ def save_atomic(self:Learner,
 @patch
 def export_atomic(self:Learner,
     fname='export.pkl', # A name in `learn.path`, as for `learn.export`
-    **kwargs # Passed to `learn.export`
+    **kwargs # Passed to `learn.export` (`pickle_module`, `pickle_protocol`)
 ) -> Path: # Where the export is
     "`learn.export`, replacing the old file only once the new one is whole"
+    _check_name('fname', fname, "a name in `learn.path`, as for `learn.export`")
+    _check_keywords('export_atomic', kwargs, _export_keywords)
     path = Path(self.path)/fname
     if fsdp_sharded(self.model): return self.export(fname, **kwargs) # every rank gathers; rank 0 writes, as here (`to_sharded`)
     if rank_distrib(): return path
@@ -221,13 +277,20 @@ def _misfits(learn:Learner, state, with_opt:bool, strict:bool) -> list: # What d
                                                  else state['opt'], learn.opt, get_model(learn.model))
     return res
 
+_load_keywords = ('with_opt', 'strict', 'weights_only', 'pickle_module') # fastai's `load_model`'s, and torch.load's it passes on
+_load_instead = {'map_location':"pass `device`, as to `learn.load`", 'mmap':"the checks read the file memory-mapped, and fastai's `load` reads it whole"}
+
 @patch
 def load_checked(self:Learner,
     file, # A name in `learn.path/learn.model_dir`, as for `learn.load`
-    device=None, # As for `learn.load`
-    **kwargs # Passed to `learn.load` (`with_opt`, `strict`, and torch.load's)
+    device=None, # As for `learn.load`: a device, a CUDA index, or None for the data's
+    **kwargs # Passed to `learn.load`: `with_opt`, `strict`, and torch.load's `weights_only`, `pickle_module`
 ) -> Learner:
     "`learn.load`, all or nothing: the weights, optimizer state and loss scaler's state are checked before anything is loaded, and a Ctrl-C is never swallowed"
+    _check_name('file', file, "a name in `learn.path/learn.model_dir`, as for `learn.load`")
+    _check_keywords('load_checked', kwargs, _load_keywords, _load_instead)
+    if not (device is None or isinstance(device, (int, str, torch.device)) and not isinstance(device, bool)):
+        raise TypeError(f"`device` must be a device, a str such as 'cuda:0', a CUDA index or None (the data's device), got {device!r}")
     path = join_path_file(file, self.path/self.model_dir, ext='.pth')
     if self.opt is None: self.create_opt()
     with_opt = kwargs.get('with_opt', True)

@@ -105,3 +105,21 @@ def test_a_truncated_file_says_it_is_truncated(tmp_path, keep):
     before = state_of(learn)
     with pytest.raises(EOFError, match='is truncated'): call_lock_free(learn.load_checked, 'ck', with_opt=True)
     assert_same_learner_state(before, state_of(learn))
+
+# ---- arguments checked before anything changes
+
+@pytest.mark.parametrize('args,kwargs,error,match', [
+    ((123,), {}, TypeError, r"`file` must be a str or a path.*got 123"),
+    ((None,), {}, TypeError, r"`file` must be a str or a path.*got None"),
+    (('',), {}, ValueError, r"`file` must name a file"),
+    (('ck',), {'foo': 1}, TypeError, r"`foo`.*with_opt.*strict"),
+    (('ck',), {'map_location': 'cpu'}, TypeError, r"`map_location`.*`device`"),
+    (('ck',), {'with_opt': 'yes'}, TypeError, r"`with_opt` must be True or False, got 'yes'"),
+    (('ck',), {'strict': 1}, TypeError, r"`strict` must be True or False"),
+])
+def test_load_checked_names_a_bad_argument_before_anything_changes(tmp_path, args, kwargs, error, match):
+    trained(tmp_path).save('ck', with_opt=True)
+    learn = synth_learner(path=tmp_path, seed=1).to_mixed(torch.bfloat16)
+    w = [p.detach().clone() for p in learn.model.parameters()]
+    with pytest.raises(error, match=match): call_lock_free(learn.load_checked, *args, **kwargs)
+    assert learn.opt is None and all(torch.equal(a, b) for a, b in zip(w, learn.model.parameters()))
