@@ -127,24 +127,60 @@ def save_atomic(self:Learner,
         with open(tmp, 'wb') as f: self.save(f, **kwargs)
     return path
 
+# %% ../nbs/05a_checkpoint.ipynb #e5b7f2a4
+def _chain(opt) -> list:
+    "`opt` and the optimizers inside it: the wrapper, fastai's `Optimizer` or `OptimWrapper`, the torch optimizer it wraps"
+    res = []
+    while opt is not None and hasattr(opt, '__dict__') and not any(opt is o for o in res):
+        res.append(opt)
+        opt = vars(opt).get('opt')
+    return res
+
+def _held(
+    learn:Learner,
+    weights:bool, # Whether to hold a copy of the model's weights and buffers (a load writes into them)
+) -> dict: # What `_put_back` restores
+    "What a load or an export may change in `learn`, as it is now: its optimizer (the object, and the attributes of it and of those inside it), its loss scaler's fields, its data, and with `weights` a copy of the model's weights and buffers"
+    # fastai's and torch's `load_state_dict` (and fastai's `create_opt`, in `export`) put new state, hyper-parameters and
+    # groups in the place of the optimizer's own, and never write into them: holding its attributes is enough to put them
+    # back, with no call of the optimizer's own, so that putting them back cannot fail as the load did
+    opt = getattr(learn, 'opt', None)
+    scaler = opt.scaler if isinstance(opt, OptimizerWithScaler) else None
+    if scaler is not None: scaler.settle() # (every step recorded: its fields are final)
+    tensors = [t for t in get_model(learn.model).state_dict(keep_vars=True).values() if isinstance(t, Tensor)] if weights else []
+    return {'opt':opt, 'dls':learn.dls, 'attrs':[(o, dict(vars(o))) for o in _chain(opt) + ([scaler] if scaler is not None else [])],
+            'weights':[(t, t.detach().to('cpu', copy=True)) for t in tensors]} # (a copy on the CPU: no device memory more than fastai's load)
+
+def _put_back(learn:Learner, held:dict) -> None:
+    "Restore what `_held` held; a Ctrl-C in the middle starts it again, and is raised once all of it is back"
+    interrupted = None
+    while True:
+        try:
+            learn.opt,learn.dls = held['opt'],held['dls']
+            for o,attrs in held['attrs']: vars(o).clear(); vars(o).update(attrs) # (what was set since goes too)
+            for t,copied in held['weights']: t.detach().copy_(copied) # (into the model's own tensors, where the load wrote: no autograd, no grad mode to set)
+            break
+        except KeyboardInterrupt as e: interrupted = interrupted or e # a restore that cannot half-happen: again, then raise
+    if interrupted is not None: raise interrupted
+
 # %% ../nbs/05a_checkpoint.ipynb #4b91bf3d
 @patch
 def export_atomic(self:Learner,
     fname='export.pkl', # A name in `learn.path`, as for `learn.export`
     **kwargs # Passed to `learn.export` (`pickle_module`, `pickle_protocol`)
 ) -> Path: # Where the export is
-    "`learn.export`, replacing the old file only once the new one is whole"
+    "`learn.export`, replacing the old file only once the new one is whole; the learner keeps its optimizer and data whatever happens"
     _check_name('fname', fname, "a name in `learn.path`, as for `learn.export`")
     _check_keywords('export_atomic', kwargs, _export_keywords)
     path = Path(self.path)/fname
     if fsdp_sharded(self.model): return self.export(fname, **kwargs) # every rank gathers; rank 0 writes, as here (`to_sharded`)
     if rank_distrib(): return path
-    opt,dls = self.opt,self.dls # fastai's `export` empties both while it writes, and gives them back only if it succeeds
+    # fastai's `export` empties the optimizer and the data while it writes, with no `finally`, then builds a new optimizer
+    # (or clears an `OptimWrapper` given as `opt_func`) and loads the state into it: the learner gets back its own, always
+    held = _held(self, weights=False)
     try:
         with replacing_file(path) as tmp: self.export(Path(fname).with_name(tmp.name), **kwargs) # fastai writes to `self.path/fname`
-    except BaseException:
-        self.opt,self.dls = opt,dls # a failed export leaves the learner as it was: its optimizer state, its data
-        raise
+    finally: _put_back(self, held)
     return path
 
 # %% ../nbs/05a_checkpoint.ipynb #6d6a47e3
@@ -277,6 +313,19 @@ def _misfits(learn:Learner, state, with_opt:bool, strict:bool) -> list: # What d
                                                  else state['opt'], learn.opt, get_model(learn.model))
     return res
 
+@contextmanager
+def _holding_errors(opt): # A list: what `opt.load_state_dict` raised during the block, if anything
+    "For the length of the block, whatever `opt.load_state_dict` raises (an error, a Ctrl-C) is held in the list it gives, not raised: fastai's `load_model` calls it inside a bare `except:` that would swallow it, and keep the weights it loaded"
+    held,load,own = [],opt.load_state_dict,vars(opt).get('load_state_dict')
+    def holding(sd):
+        try: return load(sd)
+        except BaseException as e: held.append(e)
+    opt.load_state_dict = holding # (an attribute of the instance, found before its class's method: fastai calls `opt.load_state_dict`)
+    try: yield held
+    finally:
+        if own is None: del opt.load_state_dict
+        else: opt.load_state_dict = own
+
 _load_keywords = ('with_opt', 'strict', 'weights_only', 'pickle_module') # fastai's `load_model`'s, and torch.load's it passes on
 _load_instead = {'map_location':"pass `device`, as to `learn.load`", 'mmap':"the checks read the file memory-mapped, and fastai's `load` reads it whole"}
 
@@ -286,23 +335,29 @@ def load_checked(self:Learner,
     device=None, # As for `learn.load`: a device, a CUDA index, or None for the data's
     **kwargs # Passed to `learn.load`: `with_opt`, `strict`, and torch.load's `weights_only`, `pickle_module`
 ) -> Learner:
-    "`learn.load`, all or nothing: the weights, optimizer state and loss scaler's state are checked before anything is loaded, and a Ctrl-C is never swallowed"
+    "`learn.load`, all or nothing: the weights, optimizer state and loss scaler's state are checked before anything is loaded, and an error or a Ctrl-C during the load puts back what was there"
     _check_name('file', file, "a name in `learn.path/learn.model_dir`, as for `learn.load`")
     _check_keywords('load_checked', kwargs, _load_keywords, _load_instead)
     if not (device is None or isinstance(device, (int, str, torch.device)) and not isinstance(device, bool)):
         raise TypeError(f"`device` must be a device, a str such as 'cuda:0', a CUDA index or None (the data's device), got {device!r}")
     path = join_path_file(file, self.path/self.model_dir, ext='.pth')
-    if self.opt is None: self.create_opt()
-    with_opt = kwargs.get('with_opt', True)
-    state = _read_checkpoint(path, **{k:v for k,v in kwargs.items() if k not in ('with_opt', 'strict')})
-    misfits = _misfits(self, state, with_opt, kwargs.get('strict', True))
-    if misfits: raise ValueError(f"{path} does not fit this learner, so nothing was loaded:\n- " + '\n- '.join(misfits))
-    entry = state['opt'].get(scaler_key) if isinstance(state, dict) and set(state) == {'model', 'opt'} and isinstance(state['opt'], dict) else None
-    if with_opt and entry is not None and isinstance(self.opt, OptimizerWithScaler): self.opt.scaler.check_state_dict(entry)
-    del state # (memory-mapped: fastai's load reads the file again, onto `device`)
-    self.load(file, device=device, **kwargs)
-    interrupted = getattr(self.opt, 'interrupted', None)
-    if interrupted is not None:
-        self.opt.interrupted = None
-        raise interrupted
+    created = self.opt is None
+    if created: self.create_opt() # (what the file's optimizer state is checked against; a load that does not happen gives it back)
+    try:
+        state = _read_checkpoint(path, **{k:v for k,v in kwargs.items() if k not in ('with_opt', 'strict')})
+        misfits = _misfits(self, state, kwargs.get('with_opt', True), kwargs.get('strict', True))
+        if misfits: raise ValueError(f"{path} does not fit this learner, so nothing was loaded:\n- " + '\n- '.join(misfits))
+        entry = state['opt'].get(scaler_key) if isinstance(state, dict) and set(state) == {'model', 'opt'} and isinstance(state['opt'], dict) else None
+        if kwargs.get('with_opt', True) and entry is not None and isinstance(self.opt, OptimizerWithScaler): self.opt.scaler.check_state_dict(entry)
+        del state # (memory-mapped: fastai's load reads the file again, onto `device`)
+        held = _held(self, weights=True)
+        try:
+            with _holding_errors(self.opt) as raised: self.load(file, device=device, **kwargs)
+            if raised: raise raised[0]
+        except BaseException:
+            _put_back(self, held) # the weights, the optimizer's state and the scaler's, as they were
+            raise
+    except BaseException:
+        if created: self.opt = None
+        raise
     return self

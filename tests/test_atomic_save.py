@@ -4,7 +4,7 @@ import pytest, torch
 from fastai.basics import load_learner
 from mpcallbacks.test_utils import synth_learner
 from test_entry_points import block_learner
-from intact import assert_fp32_and_intact, hook_ids
+from intact import assert_fp32_and_intact, hook_ids, call_lock_free
 
 def partial_write_then(error):
     "A torch.save that writes some bytes to its target, then raises `error`: what a save does when the disk fills up"
@@ -102,6 +102,57 @@ def test_temporary_files_of_a_killed_save_are_removed_by_the_next_save(tmp_path)
     (tmp_path/'models'/f'.ck.pth.{p.pid}.tmp').write_bytes(b'half a checkpoint')
     learn.save_atomic('ck', with_opt=False)
     assert sorted(os.listdir(tmp_path/'models')) == ['ck.pth']
+
+# ---- an export never takes the optimizer, its state or the data, and never swallows a Ctrl-C
+
+def raise_on_calls(monkeypatch, cls, name, calls, exc=KeyboardInterrupt):
+    "`cls.name` raises `exc` at the calls numbered in `calls` (from 1), and does its work at the others"
+    real, n = getattr(cls, name), []
+    def f(self, *args, **kwargs):
+        n.append(1)
+        if len(n) in calls: raise exc
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(cls, name, f)
+
+def test_a_ctrl_c_as_fastais_export_reloads_the_optimizer_is_raised_and_gives_it_back(tmp_path, monkeypatch):
+    "The wrapper caught it, fastai's export went on, export_atomic returned, and the next load_checked raised it"
+    from fastai.optimizer import Optimizer
+    learn = exported_learner(tmp_path)
+    learn.save('ck', with_opt=True)
+    before = held(learn)
+    raise_on_calls(monkeypatch, Optimizer, 'load_state_dict', {1}) # fastai's export, after its write: the state into a new optimizer
+    with pytest.raises(KeyboardInterrupt): learn.export_atomic('export.pkl')
+    monkeypatch.undo()
+    assert_given_back(learn, before)
+    call_lock_free(learn.load_checked, 'ck', with_opt=True) # raised the Ctrl-C above
+    assert_fp32_and_intact(learn)
+
+@pytest.mark.parametrize('second', [False, True], ids=['once', 'again while giving back'])
+@pytest.mark.parametrize('first', ['Ctrl-C', 'full disk'])
+def test_a_ctrl_c_or_an_error_while_exporting_gives_back_the_optimizer_and_data(tmp_path, monkeypatch, first, second):
+    from contextlib import nullcontext
+    from test_load_checked import interrupt_setting
+    learn = exported_learner(tmp_path)
+    before = held(learn)
+    monkeypatch.setattr(torch, 'save', partial_write_then_disk_full if first == 'full disk' else
+                        lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # fastai's export sets `learn.dls` to empty loaders (1), then the learner is given back its own (2: a Ctrl-C there; 3)
+    with interrupt_setting(learn, 'dls', at=[2]) if second else nullcontext() as again:
+        with pytest.raises(KeyboardInterrupt if second or first == 'Ctrl-C' else OSError): learn.export_atomic('export.pkl')
+    assert again is None or again.n == 3, "the learner was not given back again after the second Ctrl-C"
+    monkeypatch.undo()
+    assert_given_back(learn, before)
+    assert sorted(os.listdir(tmp_path)) == [], "a temporary file was left behind"
+    assert_fp32_and_intact(learn)
+
+def test_a_good_export_keeps_the_learners_own_optimizer(tmp_path):
+    "fastai's export builds a new optimizer and loads the state into it: the learner keeps its own"
+    learn = exported_learner(tmp_path)
+    before = held(learn)
+    learn.export_atomic('export.pkl')
+    assert_given_back(learn, before)
+    assert sorted(os.listdir(tmp_path)) == ['export.pkl']
+    assert_fp32_and_intact(learn)
 
 # ---- arguments checked before anything changes
 

@@ -106,6 +106,62 @@ def test_a_truncated_file_says_it_is_truncated(tmp_path, keep):
     with pytest.raises(EOFError, match='is truncated'): call_lock_free(learn.load_checked, 'ck', with_opt=True)
     assert_same_learner_state(before, state_of(learn))
 
+# ---- a Ctrl-C part way through loads nothing
+
+def interrupt_after(monkeypatch, cls, name, times=1):
+    "`cls.name` does its work, then raises KeyboardInterrupt, the first `times` calls"
+    real, calls = getattr(cls, name), []
+    def f(self, *args, **kwargs):
+        res = real(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) <= times: raise KeyboardInterrupt
+        return res
+    monkeypatch.setattr(cls, name, f)
+    return calls
+
+class interrupt_setting:
+    "Within the block, setting `learn.attr` raises KeyboardInterrupt instead at the settings numbered in `at` (from 1): a Ctrl-C while the learner is given back"
+    def __init__(self, learn, attr, at): self.learn, self.attr, self.at, self.n = learn, attr, set(at), 0
+    def __enter__(self):
+        cls, attr = type(self.learn), self.attr
+        def set_(learn, v):
+            self.n += 1
+            if self.n in self.at: raise KeyboardInterrupt
+            learn.__dict__[attr] = v
+        self.cls, self.learn.__class__ = cls, type(cls.__name__, (cls,), {attr: property(lambda learn: learn.__dict__[attr], set_)})
+        return self
+    def __exit__(self, *exc): self.learn.__class__ = self.cls
+
+@pytest.mark.parametrize('where', ['the weights', 'the optimizer state', 'the loss scaler', 'the weights, then again putting them back'])
+def test_a_ctrl_c_during_the_load_puts_everything_back(tmp_path, monkeypatch, where):
+    "fastai loads the weights, then the optimizer state, then the scaler: a Ctrl-C between them left the weights of the file with the state of before"
+    from contextlib import nullcontext
+    from fastai.optimizer import Optimizer
+    from mpcallbacks.scaler import LossScaler
+    trained(tmp_path).save('ck', with_opt=True)
+    learn = trained(tmp_path, seed=1)
+    before = state_of(learn)
+    cls, name = {'the weights': (nn.Module, 'load_state_dict'), 'the optimizer state': (Optimizer, 'load_state_dict'),
+                 'the loss scaler': (LossScaler, 'load_state_dict')}.get(where, (nn.Module, 'load_state_dict'))
+    interrupt_after(monkeypatch, cls, name)
+    with interrupt_setting(learn, 'opt', at=[1]) if 'again' in where else nullcontext() as again: # (the first thing given back)
+        with pytest.raises(KeyboardInterrupt): call_lock_free(learn.load_checked, 'ck', with_opt=True)
+    assert again is None or again.n == 2, "the learner was not given back again after the second Ctrl-C"
+    monkeypatch.undo()
+    assert_same_learner_state(before, state_of(learn))
+    call_lock_free(learn.load_checked, 'ck', with_opt=True) # and the next load loads
+
+def test_an_interrupt_swallowed_by_fastais_load_is_not_raised_by_a_later_load_checked(tmp_path, monkeypatch):
+    from fastai.optimizer import Optimizer
+    learn = trained(tmp_path); learn.save('ck', with_opt=True)
+    interrupt_after(monkeypatch, Optimizer, 'load_state_dict')
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        learn.load('ck', with_opt=True) # fastai's bare `except:` catches it: its warning is all that shows
+    monkeypatch.undo()
+    assert any('Could not load the optimizer state' in str(x.message) for x in w)
+    call_lock_free(learn.load_checked, 'ck', with_opt=True) # raised the interrupt caught above
+
 # ---- arguments checked before anything changes
 
 @pytest.mark.parametrize('args,kwargs,error,match', [
