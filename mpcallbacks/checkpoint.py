@@ -8,6 +8,7 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/checkpoint.html.md"""
 from __future__ import annotations
 import os
 from contextlib import contextmanager, nullcontext
+from collections import defaultdict
 from functools import partial
 from fastai.basics import *
 import copy # (after fastai's star import, which brings `copy.copy` in as `copy`)
@@ -249,20 +250,127 @@ def _weight_misfits(saved, model:nn.Module, strict:bool) -> list: # What does no
     return res
 
 # %% ../nbs/05a_checkpoint.ipynb #b1054167
-def _fits(t:Tensor, p:Tensor) -> bool: # (Adam's averages have the parameter's shape, Adafactor's factors broadcast to it)
-    try: return torch.broadcast_shapes(t.shape, p.shape) == p.shape
+_switches = ('do_wd', 'force_train') # fastai's per-parameter switches, set by the learner (`wd_bn_bias`, `train_bn`), not by a step
+
+def _made_at_a_step(
+    opt, # The learner's optimizer: a fastai `Optimizer`, or a torch optimizer
+    group:int, # The parameter group
+    p:Tensor, # A parameter of that group
+) -> dict|None: # The state, or None where a stand-in cannot step
+    "The state `opt` makes for a parameter like `p` in `group`: one step of a stand-in of it, with the group's hyper-parameters, on a stand-in parameter of `p`'s dimensions (each of size 2), type and device"
+    x = torch.zeros((2,)*p.dim(), dtype=p.dtype, device=p.device, requires_grad=True)
+    x.grad = torch.zeros_like(x)
+    try:
+        if isinstance(opt, Optimizer):
+            if type(opt).step is not Optimizer.step: return None # (a subclass that steps its own way, as `Lookahead` steps another optimizer)
+            stand = copy.copy(opt)
+            stand.param_lists,stand.hypers,stand.state = L([L([x])]),L([dict(opt.hypers[group])]),defaultdict(dict)
+        else: stand = type(opt)([{**{k:v for k,v in opt.param_groups[group].items() if k != 'params'}, 'params':[x]}])
+        stand.step()
+        return dict(stand.state[x])
+    except Exception: return None
+
+def _a_count(v, tensors:bool) -> bool:
+    "Whether `v` is a step count: a non-negative integer, or with `tensors` a tensor of one element holding one (torch keeps its steps in float tensors)"
+    if isinstance(v, Tensor):
+        if not tensors or v.numel() != 1 or v.dtype == torch.bool or v.is_complex(): return False
+        x = v.item()
+        return math.isfinite(x) and x >= 0 and x == int(x)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0
+
+def _shown(v) -> str: return repr(v.item()) if isinstance(v, Tensor) and v.numel() == 1 else f"a {type(v).__name__} of {tuple(v.shape)}" if isinstance(v, Tensor) else repr(v)
+
+def _param_state_misfits(
+    states:list, # The saved per-parameter states, in the order of `params`
+    params:list, # (parameter, its group) pairs of the learner's optimizer
+    names:dict, # The parameters' names, by id
+    opt, # The learner's optimizer: a fastai `Optimizer`, or a torch optimizer
+) -> list: # What does not fit, a sentence each
+    "How the saved per-parameter states do not fit `opt`'s: keys of another optimizer, other shapes or types, steps that are not counts, inf/NaN values"
+    torch_opt = not isinstance(opt, Optimizer)
+    made,another,shapes,types,steps,switches,bad = {},{},[],[],[],[],[]
+    for i,(s,(p,g)) in enumerate(zip(states, params)):
+        name = names.get(id(p), f'parameter {i}')
+        if not isinstance(s, dict):
+            shapes.append(f"{name}'s state is a {type(s).__name__}, not a dict")
+            continue
+        at = (g, p.dim(), p.dtype, p.device)
+        if at not in made: made[at] = _made_at_a_step(opt, g, p)
+        own = made[at]
+        keys = [k for k in s if k not in _switches]
+        # State is made at the first step a parameter has a gradient: an empty one fits, a partial one is another optimizer's
+        if own is not None and keys and set(keys) != set(own):
+            another.setdefault((', '.join(sorted(map(repr, keys))), ', '.join(sorted(map(repr, own))) or 'no state'), []).append(name)
+        for k,v in s.items():
+            if k == 'step' and not _a_count(v, tensors=torch_opt): steps.append(f"{name}'s step is {_shown(v)}")
+            if k in _switches and not isinstance(v, bool): switches.append(f"{name}'s {k} is {_shown(v)}")
+            if _nonfinite(v): bad.append(f"{name}'s {k}")
+            if not isinstance(v, Tensor) or k == 'step': continue
+            ref = own.get(k) if own is not None else None
+            ref = ref if isinstance(ref, Tensor) else None
+            x = (2,)*p.dim() # (the stand-in's shape)
+            if ref is not None and ref.shape != x and ref.dim() == 0: # a scalar: a count, a running product
+                if v.dim() != 0: shapes.append(f"{name}'s {k} is {tuple(v.shape)}, a scalar in the learner's optimizer")
+                continue
+            if ref is not None and ref.shape != x and _broadcasts(ref.shape, x): # factored by the optimizer itself (torch's `Adafactor`)
+                if v.dim() != ref.dim() or not _broadcasts(v.shape, p.shape):
+                    shapes.append(f"{name}'s {k} is {tuple(v.shape)}, a factor of the parameter {tuple(p.shape)} in the learner's optimizer")
+            elif ref is not None and ref.shape != x: continue # (a layout of the optimizer's own)
+            elif v.shape != p.shape and not (torch_opt and ref is None and v.dim() == 0):
+                shapes.append(f"{name}'s {k} is {tuple(v.shape)}, the parameter {tuple(p.shape)}")
+                continue
+            want = ref.dtype if ref is not None else p.dtype if v.is_floating_point() else v.dtype
+            if v.dtype != want and v.dim() != 0:
+                types.append(f"{name}'s {k} is {v.dtype}, " + (f"the parameter {p.dtype}" if want == p.dtype else f"{want} in the learner's optimizer"))
+    fix = "build the learner with the `opt_func` it was saved with, or load with `with_opt=False`"
+    return ([f"optimizer state of another optimizer ({fix}): " + '; '.join(f"{_listed(ns)} hold {k}, the learner's optimizer keeps {o}"
+                                                                        for (k,o),ns in another.items())] if another else []) + (
+            [f"optimizer state of another shape: {_listed(shapes, sep='; ')}"] if shapes else []) + (
+            [f"optimizer state of another type: {_listed(types, sep='; ')}"] if types else []) + (
+            [f"optimizer steps that are not counts (non-negative integers): {_listed(steps, sep='; ')}"] if steps else []) + (
+            [f"optimizer switches that are not True or False: {_listed(switches, sep='; ')}"] if switches else []) + (
+            [f"optimizer state with inf or NaN values: {_listed(bad)}"] if bad else [])
+
+def _broadcasts(shape, to) -> bool:
+    try: return torch.broadcast_shapes(shape, to) == to
     except RuntimeError: return False
 
-def _param_state_misfits(states:list, params:list, names:dict) -> list: # What does not fit, a sentence each
-    "How the per-parameter optimizer states `states` do not fit `params`, in the same order: other shapes, inf/NaN values"
-    shapes,bad = [],[]
-    for i,(s,p) in enumerate(zip(states, params)):
-        name = names.get(id(p), f'parameter {i}')
-        for k,v in (s.items() if isinstance(s, dict) else []):
-            if isinstance(v, Tensor) and not _fits(v, p): shapes.append(f"{name}'s {k} is {tuple(v.shape)}, the parameter {tuple(p.shape)}")
-            if _nonfinite(v): bad.append(f"{name}'s {k}")
-    return ([f"optimizer state of another shape: {_listed(shapes, sep='; ')}"] if shapes else []) + (
-            [f"optimizer state with inf or NaN values: {_listed(bad)}"] if bad else [])
+def _a_number(v) -> bool: return (isinstance(v, numbers.Real) and not isinstance(v, bool)) or (isinstance(v, Tensor) and v.dim() == 0 and not v.is_complex())
+
+def _same_kind(v, own) -> bool:
+    "Whether the saved hyper-parameter `v` is of the kind the learner's optimizer's `own` is: True or False, a number, a tuple of them"
+    if isinstance(own, bool): return isinstance(v, bool)
+    if _a_number(own): return _a_number(v)
+    if type(own) is tuple: return isinstance(v, (tuple, list)) and len(v) == len(own) and all(_same_kind(a, b) for a,b in zip(v, own))
+    return True
+
+def _hyper_misfits(
+    saved:list, # The saved hyper-parameters, a dict per group
+    own:list, # The learner's optimizer's
+    filled:set=set(), # Keys a load fills where they are missing (torch's `__setstate__`)
+    extra:bool=True, # Whether a key the learner's optimizer does not have is another optimizer's (fastai's); torch's schedulers add their own
+) -> list: # What does not fit, a sentence each
+    "How the saved hyper-parameters do not fit the learner's optimizer's: missing, another optimizer's, of another kind"
+    missing,extras,kinds = [],[],[]
+    for i,(h,o) in enumerate(zip(saved, own)):
+        if not isinstance(h, dict):
+            kinds.append(f"group {i} is a {type(h).__name__}, not a dict")
+            continue
+        m = [repr(k) for k in o if k != 'params' and k not in h and k not in filled]
+        if m: missing.append(f"{', '.join(m)} in group {i}")
+        x = [repr(k) for k in h if k != 'params' and k not in o]
+        if extra and x: extras.append(f"{', '.join(x)} in group {i}")
+        kinds += [f"{k!r} of group {i} is {_shown(h[k])}" for k in o if k != 'params' and k in h and not _same_kind(h[k], o[k])]
+    return ([f"optimizer hyper-parameters missing, which the learner's optimizer steps with (the checkpoint of another optimizer?): {_listed(missing, sep='; ')}"] if missing else []) + (
+            [f"optimizer hyper-parameters of another optimizer, which the learner's does not have: {_listed(extras, sep='; ')}"] if extras else []) + (
+            [f"optimizer hyper-parameters of another kind than the learner's optimizer's: {_listed(kinds, sep='; ')}"] if kinds else [])
+
+def _filled_by_torch(opt:torch.optim.Optimizer) -> set:
+    "The group keys that `opt`'s `__setstate__` fills where a state dict lacks them, as torch does for checkpoints of its earlier versions"
+    bare = object.__new__(type(opt))
+    try: type(opt).__setstate__(bare, {'defaults':dict(opt.defaults), 'state':{}, 'param_groups':[{'params':[]}]})
+    except Exception: return set()
+    return set(bare.param_groups[0]) - {'params'}
 
 def _opt_misfits(saved, opt, model:nn.Module) -> list: # What does not fit, a sentence each
     "How the saved optimizer state does not fit `opt` (a fastai `Optimizer`, or an `OptimWrapper` of a torch optimizer)"
@@ -274,7 +382,7 @@ def _opt_misfits(saved, opt, model:nn.Module) -> list: # What does not fit, a se
            for k,v in h.items() if k != 'params' and _nonfinite(v)]
     res = [f"optimizer hyper-parameters with inf or NaN values: {_listed(bad)}"] if bad else []
     if isinstance(opt, Optimizer): # fastai's: a state per parameter, in `all_params`' order, and hypers per group
-        params = [p for p,*_ in opt.all_params()]
+        params = [(p,g) for g,pg in enumerate(opt.param_lists) for p in pg]
         state,hypers = saved.get('state'),saved.get('hypers')
         if not isinstance(state, (list, tuple, L)) or not isinstance(hypers, (list, tuple, L)):
             return res + ["the optimizer state is not a fastai `Optimizer`'s (no 'state' and 'hypers' lists)"]
@@ -282,7 +390,7 @@ def _opt_misfits(saved, opt, model:nn.Module) -> list: # What does not fit, a se
             res.append(f"the optimizer state has {len(hypers)} parameter groups, the learner's optimizer {len(opt.param_lists)}")
         if len(state) != len(params):
             return res + [f"the optimizer state is for {len(state)} parameters, the learner's optimizer has {len(params)}"]
-        return res + _param_state_misfits(state, params, names)
+        return res + _hyper_misfits(hypers, opt.hypers) + _param_state_misfits(state, params, names, opt)
     torch_opt = getattr(opt, 'opt', None)
     if isinstance(opt, OptimWrapper) and isinstance(torch_opt, torch.optim.Optimizer): # torch's: states by index, groups of indices
         state,groups = saved.get('state'),saved.get('param_groups')
@@ -293,8 +401,9 @@ def _opt_misfits(saved, opt, model:nn.Module) -> list: # What does not fit, a se
         sizes = [(len(g['params']), len(o)) for g,o in zip(groups, own)]
         if any(a != b for a,b in sizes):
             return res + [f"the optimizer state's parameter groups hold {[a for a,_ in sizes]} parameters, the learner's optimizer's {[b for _,b in sizes]}"]
-        index = [(i,p) for g,o in zip(groups, own) for i,p in zip(g['params'], o)]
-        return res + _param_state_misfits([state.get(i, {}) for i,_ in index], [p for _,p in index], names)
+        index = [(i,p,n) for n,(g,o) in enumerate(zip(groups, own)) for i,p in zip(g['params'], o)]
+        return res + _hyper_misfits(groups, torch_opt.param_groups, filled=_filled_by_torch(torch_opt), extra=False) + _param_state_misfits(
+            [state.get(i, {}) for i,_,_ in index], [(p,n) for _,p,n in index], names, torch_opt)
     # Another library's optimizer: its layout is its own, only its values are checked
     bad = _nonfinite_at(saved)
     return res + ([f"optimizer state with inf or NaN values: {_listed(bad)}"] if bad else [])
@@ -306,11 +415,16 @@ def _nonfinite_at(x, at:str='') -> list: # Where in `x`, nested dicts, lists and
 
 # %% ../nbs/05a_checkpoint.ipynb #37d271fd
 def _misfits(learn:Learner, state, with_opt:bool, strict:bool) -> list: # What does not fit, a sentence each
-    "Everything in the checkpoint `state` that does not fit `learn`: its weights, and with `with_opt` its optimizer state"
+    "Everything in the checkpoint `state` that does not fit `learn`: its weights, and with `with_opt` its optimizer state and the loss scaler's"
     has_opt = isinstance(state, dict) and set(state) == {'model', 'opt'} # (fastai's layout: else the file is the weights alone)
     res = _weight_misfits(state['model'] if has_opt else state, get_model(learn.model), strict)
-    if has_opt and with_opt: res += _opt_misfits({k:v for k,v in state['opt'].items() if k != scaler_key} if isinstance(state['opt'], dict)
-                                                 else state['opt'], learn.opt, get_model(learn.model))
+    if not (has_opt and with_opt): return res
+    saved = state['opt']
+    res += _opt_misfits({k:v for k,v in saved.items() if k != scaler_key} if isinstance(saved, dict) else saved, learn.opt, get_model(learn.model))
+    entry = saved.get(scaler_key) if isinstance(saved, dict) else None
+    if entry is not None and isinstance(learn.opt, OptimizerWithScaler):
+        try: learn.opt.scaler.check_state_dict(entry)
+        except (ValueError, TypeError, KeyError) as e: res.append(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
     return res
 
 @contextmanager
@@ -347,8 +461,6 @@ def load_checked(self:Learner,
         state = _read_checkpoint(path, **{k:v for k,v in kwargs.items() if k not in ('with_opt', 'strict')})
         misfits = _misfits(self, state, kwargs.get('with_opt', True), kwargs.get('strict', True))
         if misfits: raise ValueError(f"{path} does not fit this learner, so nothing was loaded:\n- " + '\n- '.join(misfits))
-        entry = state['opt'].get(scaler_key) if isinstance(state, dict) and set(state) == {'model', 'opt'} and isinstance(state['opt'], dict) else None
-        if kwargs.get('with_opt', True) and entry is not None and isinstance(self.opt, OptimizerWithScaler): self.opt.scaler.check_state_dict(entry)
         del state # (memory-mapped: fastai's load reads the file again, onto `device`)
         held = _held(self, weights=True)
         try:
