@@ -13,7 +13,7 @@ from functools import partial
 from fastai.basics import *
 import copy # (after fastai's star import, which brings `copy.copy` in as `copy`)
 import numpy as np
-import errno, shutil, math, numbers, inspect
+import errno, shutil, math, numbers, pickle, inspect, zipfile, zlib
 from .scaler import LossScaler
 from .distributed import fsdp_sharded
 from .fused import OptimizerWithScaler, scaler_key # (their earlier home: importable from here too)
@@ -214,16 +214,46 @@ def _truncated(path:Path) -> bool:
     at = tail.rfind(b'PK\x05\x06')
     return at < 0 or at + 22 > len(tail) or at + 22 + int.from_bytes(tail[at+20:at+22], 'little') != len(tail)
 
+def _zipped(path:Path) -> bool:
+    "Whether `path` is a zip archive (torch's format), not a file in torch's legacy format"
+    with open(path, 'rb') as f: return f.read(4) == b'PK\x03\x04'
+
+def _damage(path:Path) -> str|None: # What is damaged, or None
+    "What in the zip archive at `path` (torch's format) does not match the CRC-32 checksums written with it, read through once; None for an intact archive, or a file in torch's legacy format (no checksums)"
+    if not _zipped(path): return None
+    try: z = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as e: return f"its zip archive's directory cannot be read ({e}): the file changed after it was written"
+    bad = []
+    with z:
+        for info in z.infolist():
+            try:
+                with z.open(info) as f:
+                    while f.read(1 << 24): pass # (`ZipExtFile` checks the CRC-32 as it reads: at the end, it raises on a mismatch)
+            except (zipfile.BadZipFile, zlib.error, EOFError): bad.append(repr(info.filename))
+    return (f"the data of {_listed(bad)} does not match the CRC-32 checksum written with it: the file changed after it was "
+            "written (a disk, a transfer or a copy damaged it)") if bad else None
+
+def _truncated_error(path:Path) -> EOFError:
+    return EOFError(f"{path} is truncated: the file ends before the checkpoint does ({os.path.getsize(path):,} bytes), so a save "
+                    "was cut off while writing it (`save_atomic` never leaves one behind). Nothing was loaded; load an earlier checkpoint.")
+
+def _corrupt_error(path:Path, what:str) -> ValueError:
+    return ValueError(f"{path} is corrupt: {what}, so nothing was loaded. Load an earlier checkpoint, or a copy of this one.")
+
 def _read_checkpoint(path:Path, **torch_load_kwargs):
-    "The checkpoint at `path`, or an error that says the file is truncated"
+    "The checkpoint at `path`, once its archive's checksums pass; or an error that says the file is truncated, or corrupt"
+    if path.is_file(): # (else torch.load says what it is: no such file, a folder)
+        if _truncated(path): raise _truncated_error(path)
+        damage = _damage(path) # (torch reads tensors without checking their checksums: a flipped bit would load)
+        if damage: raise _corrupt_error(path, damage)
     try: return _torch_load(path, **torch_load_kwargs)
-    except FileNotFoundError: raise
+    except (OSError, MemoryError): raise # (the file system's, or the memory's: not the file's)
     except Exception as e:
-        if isinstance(e, EOFError) or (path.is_file() and _truncated(path)):
-            raise EOFError(f"{path} is truncated: the file ends before the checkpoint does ({os.path.getsize(path):,} bytes), "
-                           "so a save was cut off while writing it (`save_atomic` never leaves one behind). Nothing was loaded; "
-                           "load an earlier checkpoint.") from e
-        raise
+        if isinstance(e, pickle.UnpicklingError) and 'Unsupported global' in str(e): raise # (an object torch loads only from a source you trust: its message says how)
+        if isinstance(e, EOFError) or (path.is_file() and _truncated(path)): raise _truncated_error(path) from e
+        first = (str(e).strip().splitlines() or [''])[0][:200]
+        raise _corrupt_error(path, f"{'its checksums pass, but ' if _zipped(path) else ''}its contents cannot be unpickled "
+                                   f"({type(e).__name__}: {first}): it was damaged before it was written, or is not a checkpoint") from e
 
 # %% ../nbs/05a_checkpoint.ipynb #88e3da29
 def _listed(items:list, n:int=5, sep:str=', ') -> str: return sep.join(items[:n]) + (f" and {len(items)-n} more" if len(items) > n else '')
@@ -449,7 +479,7 @@ def load_checked(self:Learner,
     device=None, # As for `learn.load`: a device, a CUDA index, or None for the data's
     **kwargs # Passed to `learn.load`: `with_opt`, `strict`, and torch.load's `weights_only`, `pickle_module`
 ) -> Learner:
-    "`learn.load`, all or nothing: the weights, optimizer state and loss scaler's state are checked before anything is loaded, and an error or a Ctrl-C during the load puts back what was there"
+    "`learn.load`, all or nothing: the file's checksums, weights, optimizer state and loss scaler's state are checked before anything is loaded, and an error or a Ctrl-C during the load puts back what was there"
     _check_name('file', file, "a name in `learn.path/learn.model_dir`, as for `learn.load`")
     _check_keywords('load_checked', kwargs, _load_keywords, _load_instead)
     if not (device is None or isinstance(device, (int, str, torch.device)) and not isinstance(device, bool)):

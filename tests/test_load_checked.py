@@ -213,6 +213,23 @@ def test_a_refused_load_leaves_no_optimizer_where_there_was_none(tmp_path):
     with pytest.raises(FileNotFoundError): call_lock_free(learn.load_checked, 'none', with_opt=True)
     assert learn.opt is None
 
+# ---- a file damaged after it was written
+
+def test_a_flipped_byte_in_a_tensor_is_refused_naming_the_member(tmp_path):
+    "torch reads tensor data without checking the archive's CRC-32: the flipped byte loaded silently"
+    trained(tmp_path).save('ck', with_opt=True)
+    flip_byte(adam_state(tmp_path), 'ck/data/7', at=100)
+    msg = refuses(trained(tmp_path, seed=1), 'is corrupt', 'ck', with_opt=True)
+    assert str(adam_state(tmp_path)) in msg and "'ck/data/7'" in msg
+
+def test_a_corrupt_pickle_says_the_file_is_corrupt(tmp_path):
+    "A pickle damaged before its CRC-32 was written: a bare UnicodeDecodeError or UnpicklingError before"
+    for at in (148, 0, 592, 703, 1258, 1295): # where the flip gives a UnicodeDecodeError, an UnpicklingError, a KeyError, an IndexError, a RuntimeError, a TypeError
+        trained(tmp_path).save('ck', with_opt=True)
+        flip_byte(adam_state(tmp_path), 'ck/data.pkl', at=at, fix_crc=True)
+        msg = refuses(trained(tmp_path, seed=1), 'is corrupt', 'ck', with_opt=True)
+        assert str(adam_state(tmp_path)) in msg
+
 # ---- a Ctrl-C part way through loads nothing
 
 def interrupt_after(monkeypatch, cls, name, times=1):
