@@ -129,7 +129,7 @@ class OptimizerWithScaler(GetAttr):
     def __init__(self,
         opt, # A fastai `Optimizer` or `OptimWrapper`
         scaler:LossScaler, # The loss scaler whose state travels with the optimizer's
-    ): self.opt,self.scaler,self.interrupted,self._guard = opt,scaler,None,None
+    ): self.opt,self.scaler,self._guard = opt,scaler,None
 
     @property
     def skips_on_flag(self) -> bool:
@@ -154,15 +154,15 @@ class OptimizerWithScaler(GetAttr):
     def load_state_dict(self,
         sd:dict, # A state dict from `state_dict`, or a plain optimizer state dict (the scaler is then left as it is)
     ):
-        "Load the optimizer's state, and the scaler's if `sd` has it: the scaler's is checked first, so it is all or nothing"
+        "Load the optimizer's state, and the scaler's if `sd` has it: the scaler's is checked first, so that a bad entry loads nothing"
+        # An error or a Ctrl-C is raised as it comes: fastai's `learn.load` calls this inside a bare `except:`, which turns
+        # either into its warning "Could not load the optimizer state." (a Ctrl-C included); `load_checked` holds what it
+        # catches, puts back the weights and the states, and raises it
         sd = dict(sd)
         scaler_sd = sd.pop(scaler_key, None)
-        try:
-            if scaler_sd is not None: self.scaler.check_state_dict(scaler_sd)
-            self.opt.load_state_dict(sd)
-            if scaler_sd is not None: self.scaler.load_state_dict(scaler_sd)
-        except Exception: raise # fastai warns that the optimizer state could not be loaded
-        except BaseException as e: self.interrupted = e # fastai's bare `except:` would swallow a Ctrl-C: `load_checked` raises it
+        if scaler_sd is not None: self.scaler.check_state_dict(scaler_sd)
+        self.opt.load_state_dict(sd)
+        if scaler_sd is not None: self.scaler.load_state_dict(scaler_sd)
 
 # %% ../nbs/02a_fused.ipynb #9ce26ba7
 def _with_scaler(opt_func, scaler, params, **kwargs): return OptimizerWithScaler(opt_func(params, **kwargs), scaler)
