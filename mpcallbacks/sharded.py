@@ -15,6 +15,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 from .policy import always_fp32, model_policy
 from .callback import MasterMixedPrecision
 from .distributed import fsdp_sharded
+from .mixed_fit import until_done
 from .checkpoint import replacing_file
 
 # %% auto #0
@@ -86,6 +87,11 @@ def shard_model(
     "Apply FSDP2's `fully_shard` to `model`'s FP32 modules, its units and its root, with a forward in `dtype`"
     fully_shard,Policy,FSDPModule,_ = fsdp_api()
     if fsdp_sharded(model): raise ValueError("The model is sharded already: shard a model once.")
+    return _shard_units(model, dtype, keep, units, mesh, reshard_after_forward)
+
+def _shard_units(model, dtype, keep, units, mesh, reshard_after_forward) -> nn.Module:
+    "`shard_model`'s work, resumable: a module an interrupted call sharded already is left as it is"
+    fully_shard,Policy,FSDPModule,_ = fsdp_api()
     _check_shard_arguments(units, mesh, reshard_after_forward, model)
     f32 = torch.float32
     mp = Policy(param_dtype=dtype, reduce_dtype=f32) if dtype else Policy()
@@ -94,9 +100,10 @@ def shard_model(
     units = default_units(model) if units is None else list(units)
     order = {id(m):i for i,m in enumerate(model.modules())}
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
-    for m,p in kept: fully_shard(m, mp_policy=_kept_policy(p, dtype, Policy), **kw)
+    for m,p in kept:
+        if not isinstance(m, FSDPModule): fully_shard(m, mp_policy=_kept_policy(p, dtype, Policy), **kw)
     for m in sorted(units, key=lambda m: -order[id(m)]): # the innermost first: a unit takes what its inner units left
-        if id(m) not in inside_kept and m is not model: fully_shard(m, mp_policy=mp, **kw)
+        if id(m) not in inside_kept and m is not model and not isinstance(m, FSDPModule): fully_shard(m, mp_policy=mp, **kw)
     return fully_shard(model, mp_policy=mp, **kw)
 
 # %% ../nbs/08_sharded.ipynb #461af34f
@@ -166,11 +173,18 @@ class ShardedTrainer(Callback):
         opt_sd = self.learn.opt.state_dict() if getattr(self.learn, 'opt', None) is not None else None
         memo = {id(p):nn.Parameter(torch.empty_like(p, device='meta'), p.requires_grad) for p in model.parameters()}
         self.skeleton = copy.deepcopy(model, memo)
-        shard_model(model, dtype, keep, self.units, self.mesh, self.reshard_after_forward)
+        _check_shard_arguments(self.units, self.mesh, self.reshard_after_forward, model)
+        self.opt_to_load = opt_sd
+        until_done(lambda: self._shard_once(dtype, keep)) # (whole: a Ctrl-C in the middle completes it, then is raised)
+
+    def _shard_once(self, dtype, keep) -> None: # (idempotent: what an interrupted call did is not done again)
+        if not isinstance(self.model, fsdp_api()[2]): # (the root is sharded last: until it is, some units may still be to do)
+            _shard_units(self.model, dtype, keep, self.units, self.mesh, self.reshard_after_forward)
         self.dtype = dtype
-        if opt_sd is not None:
-            self.learn.create_opt()
-            load_sharded_opt(self.learn.opt, opt_sd)
+        if self.opt_to_load is not None:
+            self.learn.create_opt() # (the optimizer of the shards, their state loaded into it)
+            load_sharded_opt(self.learn.opt, self.opt_to_load)
+            self.opt_to_load = None
 
     def after_fit(self):
         "Reshard (the model's parameters are the FP32 shards) and give the data back"

@@ -8,6 +8,11 @@ Not part of `make test`: it runs thousands of calls. From the repository root, w
     python tools/fault_sweep.py                # every entry point, every line, doubles at a few offsets
     python tools/fault_sweep.py --quick        # every 7th line, fewer doubles and events
     python tools/fault_sweep.py --only fit,get_preds
+    python tools/fault_sweep.py --list         # the entry points
+
+Entry points: fit, fit_one_cycle, fine_tune, lr_find, get_preds/validate/predict with and without 16-bit inference,
+`with learn:`, save_atomic, export_atomic, load_checked, to_mixed/to_unmixed, precision_report and a sharded fit
+(`to_sharded`, in a process group of one rank); exceptions at every fastai event and inside the forward and the backward.
 
 It prints one row per entry point and kind of fault: injections made, and how many left the learner not at rest (with
 the first few, for a reproduction). Its exit status is the number of such rows."""
@@ -24,6 +29,7 @@ import fastai.callback.schedule # fit_one_cycle, fine_tune, lr_find
 import mpcallbacks.all # noqa: F401
 from mpcallbacks.all import MasterMixedPrecision
 from mpcallbacks.cast import cast_holding
+from mpcallbacks.distributed import fsdp_sharded
 from mpcallbacks.test_utils import synth_learner
 
 torch.set_num_threads(1)
@@ -59,8 +65,12 @@ def learner(mixed_inference=False, opt=True):
 def snapshot(learn) -> dict:
     return dict(opt=learn.opt, opt_state=None if learn.opt is None else {id(p):{k:v.clone() if isinstance(v, torch.Tensor) else v for k,v in s.items()}
                 for p,s in getattr(getattr(learn.opt, 'opt', learn.opt), 'state', {}).items()},
-                loaders=list(learn.dls.loaders), cbs=list(learn.cbs), hooks={n:(list(m._forward_pre_hooks), list(m._forward_hooks))
-                for n,m in learn.model.named_modules()}, model=learn.model)
+                loaders=list(learn.dls.loaders), cbs=list(learn.cbs), hooks=our_hooks(learn.model), model=learn.model)
+
+def our_hooks(model) -> dict:
+    "The hooks of ours on each module (another library's, FSDP2's after `to_sharded`, are its own)"
+    ours = lambda f: getattr(getattr(f, '__func__', f), '__module__', '').startswith('mpcallbacks')
+    return {n:[h for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values() if ours(h)] for n,m in model.named_modules()}
 
 def not_at_rest(learn, before:dict, completed:bool) -> list: # What is wrong, a phrase each
     bad = []
@@ -70,8 +80,7 @@ def not_at_rest(learn, before:dict, completed:bool) -> list: # What is wrong, a 
     if opt is not None:
         op = [p for pg in opt.param_lists for p in pg]
         if not all(any(a is b for b in ps) for a in op): bad.append("the optimizer's tensors are not the model's")
-    hooks = {n:(list(m._forward_pre_hooks), list(m._forward_hooks)) for n,m in learn.model.named_modules()}
-    if hooks != before['hooks']: bad.append('hooks left')
+    if our_hooks(learn.model) != before['hooks']: bad.append('hooks left')
     if any(cast_holding(m) is not None for m in learn.model.modules()): bad.append('model still registered in a cast')
     if torch.is_autocast_enabled('cpu'): bad.append('autocast left on')
     cbs = learn._grab_cbs(MasterMixedPrecision)
@@ -86,7 +95,8 @@ def not_at_rest(learn, before:dict, completed:bool) -> list: # What is wrong, a 
     if mixed not in ((True, True, True), (False, False, learn.opt is None)): bad.append(f'half mixed (callback, opt_func, optimizer): {mixed}')
     if not completed:
         same = learn.opt is before['opt'] or getattr(learn.opt, 'opt', None) is before['opt'] or learn.opt is getattr(before['opt'], 'opt', None)
-        if not same: bad.append('the optimizer was replaced') # (to_mixed/to_unmixed completed: it wraps or unwraps the same one)
+        sharded = fsdp_sharded(learn.model) # (the sweep's learners start unsharded; a sharded fit's sharding is whole: the shards' optimizer, checked above)
+        if not same and not sharded: bad.append('the optimizer was replaced') # (to_mixed/to_unmixed completed: it wraps or unwraps the same one)
         if list(learn.dls.loaders) != before['loaders'] or not all(len(l) for l in learn.dls.loaders if hasattr(l, '__len__')): bad.append('the DataLoaders changed')
     if len(learn._grab_cbs(MasterMixedPrecision)) > 1: bad.append('two MasterMixedPrecision callbacks')
     return bad
@@ -113,7 +123,12 @@ ENTRY = {
     'to_mixed': (lambda: learner(), lambda l: l.to_mixed(torch.bfloat16)),
     'to_unmixed': (lambda: learner(), lambda l: l.to_unmixed()),
     'precision_report': (lambda: learner(), lambda l: l.precision_report(n_batches=1)),
+    'to_sharded': (lambda: learner(), lambda l: _sharded_fit(l)), # (one rank: a process group of one, started by `main`)
 }
+
+def _sharded_fit(l):
+    l.to_sharded()
+    l.fit(1, 1e-3)
 
 def _with(l):
     with l: l.model(torch.randn(2, 1, 8, 8))
@@ -141,6 +156,20 @@ class RaiseAt(Callback):
         if self.done: return
         self.done = True
         raise self.exc('injected')
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mod): ctx.mod = mod; return x.view_as(x)
+    @staticmethod
+    def backward(ctx, g):
+        ctx.mod.n += 1
+        if ctx.mod.n == ctx.mod.at: raise ctx.mod.exc('injected in the backward')
+        return g, None
+
+class RaisesInBackward(nn.Module):
+    "Passes its input on; the `at`-th backward through it raises `exc`"
+    def __init__(self, at:int, exc): super().__init__(); self.at,self.exc,self.n = at,exc,0
+    def forward(self, x): return _RaiseInBackward.apply(x, self)
 
 class RaisesInForward(nn.Module):
     def __init__(self, at:int): super().__init__(); self.at,self.n = at,0
@@ -205,16 +234,34 @@ def sweep(names, quick:bool) -> dict:
             if wrong: bad.append(('forward call', at, wrong))
         rows[(name, 'forward interrupts')] = (made, bad, None)
         print(f"{name:18} {'forward':14} {made:5} injections: {len(bad)} not at rest", flush=True)
+        if name != 'fit': continue # (no backward in inference)
+        made,bad = 0,[]
+        for exc in (RuntimeError, KeyboardInterrupt, CancelBatchException, CancelStepException):
+            for at in range(1, 7):
+                def make_b(at=at, exc=exc):
+                    l = make()
+                    l.model = nn.Sequential(*l.model[:3], RaisesInBackward(at, exc), *l.model[3:])
+                    return l
+                done,wrong,err = run_one(name, make_b, call, lambda l, f: f())
+                made += 1
+                if wrong: bad.append(('backward call', exc.__name__, at, wrong))
+        rows[(name, 'backward exceptions')] = (made, bad, None)
+        print(f"{name:18} {'backward':14} {made:5} injections: {len(bad)} not at rest", flush=True)
     return rows
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--quick', action='store_true')
     ap.add_argument('--only', default=','.join(ENTRY))
+    ap.add_argument('--list', action='store_true', help='print the entry points and exit')
     args = ap.parse_args()
+    if args.list: return print('\n'.join(ENTRY))
     names = args.only.split(',')
     unknown = [n for n in names if n not in ENTRY]
     if unknown: ap.error(f"--only takes entry points of {list(ENTRY)}, got {unknown}")
+    if 'to_sharded' in names: # a process group of one rank, as torchrun would start it
+        os.environ.setdefault('MASTER_ADDR', '127.0.0.1'); os.environ.setdefault('MASTER_PORT', '29517')
+        torch.distributed.init_process_group('gloo', rank=0, world_size=1)
     start = time.perf_counter()
     rows = sweep(names, args.quick)
     total = sum(m for m,_,_ in rows.values())
