@@ -89,10 +89,17 @@ readme: $(STAMP)
 # when a cell that renders a sentence from them has a stale saved output (`make numbers` saves the fresh one, then make
 # readme), or a number written next to a link into bench/results (or a link named `measured` or `tested`) is not in
 # the text it cites. A few seconds; tools/check_numbers.py says how.
-.PHONY: numbers numbers-check examples-check
+.PHONY: numbers numbers-check examples-check suite-count
 numbers: $(STAMP)
 	$(PY) tools/check_numbers.py --fix --rendered-only
 	$(MAKE) --no-print-directory readme
+
+# After adding or removing tests: pytest's count of them into bench/results/suite.json (pytest --collect-only, seconds;
+# the suite's time stays the last full run's, `python tools/measure_suite.py`), then the sentences and README.md that
+# quote it. tests/test_suite_count.py fails until then.
+suite-count: $(STAMP)
+	$(PY) tools/measure_suite.py --count
+	$(MAKE) --no-print-directory numbers
 
 numbers-check: $(STAMP)
 	$(PY) tools/check_numbers.py
