@@ -6,11 +6,14 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/callback.html.md"""
 
 # %% ../nbs/03_callback.ipynb #fed1545d
 from __future__ import annotations
-import copy, sys
+import sys
 from contextlib import ExitStack
 from fastai.basics import *
+from fastai.metrics import ValueMetric
+import copy # (after fastai's star import, whose `copy` is the function)
 from .policy import always_fp32
 from .cast import as_16bit_dtype, cast_floats, native_16bit_dtypes, warn_if_slow
+from .fused import carry_scaler, drop_scaler
 from .scaler import LossScaler, NonFiniteGradients # (the error a storm of skipped steps raises, importable from here too)
 from .mixed_fit import MixedFit, FitPhase, SkippedStepsWarning # (and the warning of a fit that skipped steps)
 
@@ -60,6 +63,9 @@ class MasterMixedPrecision(Callback):
         bad = [k for k in tuplify(keep_fp32) if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)))]
         if bad: raise TypeError(f"keep_fp32 takes module types (subclasses of nn.Module, e.g. nn.LayerNorm), name patterns "
                                 f"(e.g. '0.head*') and 'auto' (measure the model at the first fit), got {bad}")
+        near = [k for k in tuplify(keep_fp32) if isinstance(k, str) and k != 'auto' and k.strip().lower() == 'auto']
+        if near: raise ValueError(f"keep_fp32={near[0]!r}: did you mean 'auto' (measure the model at the first fit and keep in "
+                                  f"FP32 what 16 bits would break)? It is lower case; other strings are name patterns of modules.")
         if not isinstance(mixed_inference, bool): raise TypeError(f"mixed_inference must be True or False, got {mixed_inference!r}")
         self.auto = 'auto' in tuplify(keep_fp32) # Whether the first training fit measures the model and keeps more in FP32
         self.keep,self.mixed_inference = always_fp32 + tuple(k for k in tuplify(keep_fp32) if k != 'auto'),mixed_inference
@@ -108,17 +114,14 @@ class MasterMixedPrecision(Callback):
         "Events act only while a fit or an inference runs, as `MixedFit.dispatches` decides for all of them"
         return super().__call__(event_name) if self.mixed_fit.dispatches(event_name) else None
 
-    def __reduce__(self): return (Callback, ()) # pickled (`learn.export`): a plain fastai `Callback`, so the export predicts in FP32 and loads without mpcallbacks
-
-    def __deepcopy__(self, memo): # (a deep copy is a copy, not what a pickle holds)
-        res = memo[id(self)] = object.__new__(type(self))
-        for k,v in self.__dict__.items(): object.__setattr__(res, k, copy.deepcopy(v, memo))
-        return res
-
     def __setattr__(self, name, value):
-        # fastai's `remove_cb` sets `learn` to None: removed in the middle of a fit, mixed precision ends there and the fit
-        # goes on in FP32, as `to_unmixed()` does.
-        if name == 'learn' and value is None and 'mixed_fit' in self.__dict__: self.mixed_fit.close()
+        # fastai's `add_cb` sets `learn` (`to_mixed()`, `Learner(cbs=...)`, `fit(cbs=...)` alike): the learner's optimizer
+        # carries the scaler from then on (in its checkpoints) and steps fused. `remove_cb` sets it to None: removed in the
+        # middle of a fit, mixed precision ends there and the fit goes on in FP32, as `to_unmixed()` does.
+        if name == 'learn' and 'mixed_fit' in self.__dict__:
+            old = self.__dict__.get('learn')
+            if value is None and old is not None: self.mixed_fit.close(); drop_scaler(old, self.scaler)
+            elif isinstance(value, Learner): carry_scaler(value, self.scaler)
         super().__setattr__(name, value)
 
     @property
@@ -215,7 +218,9 @@ class MasterMixedPrecision(Callback):
     ): # The axes
         "Plot the loss scale at each optimizer step, with the skipped steps marked"
         import matplotlib.pyplot as plt
-        if ax is None: _,ax = plt.subplots(figsize=(6, 3))
+        self.scaler.settle()
+        if not len(self.scaler.history): raise ValueError("plot_loss_scale() draws the loss scale of each optimizer step: no step was taken yet. Fit first.")
+        if ax is None: _,ax = plt.subplots(figsize=(6, 3), layout='constrained') # (the axis labels inside the figure, also when saved)
         starts,scales,skips = [],[],[] # one point per run of the history, not per step
         for s,k,n in self.scaler.history.runs:
             step = starts[-1] + n_prev if starts else 0
@@ -237,6 +242,10 @@ class _MixedColumn(Metric):
     def _mixed(self): # The callback, or None for a learner without `to_mixed`
         cbs = self.learn._grab_cbs(MasterMixedPrecision) if self.learn is not None else []
         return cbs[0] if cbs else None
+    # Pickled (`learn.export`): fastai's own column of the same name, reading None as on a learner without `to_mixed`
+    # (the export predicts in FP32), so that the export loads where mpcallbacks is not installed.
+    def __reduce__(self): return (ValueMetric, (noop, self.name))
+    def __deepcopy__(self, memo): return type(self)() # (a deep copy is a copy; the recorder hands it the learner at each batch)
 
 # %% ../nbs/03_callback.ipynb #3acbe308
 class LossScale(_MixedColumn):

@@ -158,6 +158,10 @@ class ModelCast:
         if not regions or kind is None: return None # (outside a region: FP32, as written)
         swapped = [] # (recorded with the call before any weight is swapped: `_leave` undoes whatever an interrupt left)
         calls.append((m, torch.is_autocast_enabled(self.device_type), swapped))
+        if kind == 'unnested': # a padded batch stays padded, as on CUDA, where torch sees autocast on (its nested-tensor path breaks under it)
+            swapped.append(('use_nested_tensor', m.use_nested_tensor, False))
+            m.use_nested_tensor = False
+            return None
         if kind == 'recurrent': self._cast_weights(m, swapped)
         torch.set_autocast_enabled(self.device_type, False)
         dtype = self.dtype if kind == 'recurrent' else torch.float32

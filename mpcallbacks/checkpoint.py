@@ -8,11 +8,12 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/checkpoint.html.md"""
 from __future__ import annotations
 import os
 from contextlib import contextmanager, nullcontext
+from collections import defaultdict
 from functools import partial
 from fastai.basics import *
 import copy # (after fastai's star import, which brings `copy.copy` in as `copy`)
 import numpy as np
-import errno, shutil, math, numbers
+import errno, shutil, math, numbers, pickle, inspect, zipfile, zlib
 from .scaler import LossScaler
 from .distributed import fsdp_sharded
 from .fused import OptimizerWithScaler, scaler_key # (their earlier home: importable from here too)
@@ -32,11 +33,31 @@ def _drop_stale(folder:Path) -> None:
     if os.name != 'posix': return
     for old in folder.glob('.?*.*.tmp'): # `.{name}.{pid}.tmp`, as `replacing_file` names them
         pid = old.name[:-4].rpartition('.')[2]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)): old.unlink(missing_ok=True)
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            try: old.unlink(missing_ok=True)
+            except OSError: pass # (a folder this process may not write to: a save there fails, and says why)
 
 def _disk_full(e:BaseException) -> bool:
     "Whether `e` is a write that ran out of disk: `OSError(ENOSPC)`, or torch's zip writer's `unexpected pos` after one"
     return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (isinstance(e, RuntimeError) and 'unexpected pos' in str(e))
+
+_elsewhere = "save elsewhere (`learn.path`, `learn.model_dir`)"
+_cannot_write = { # What stops a write to a file through its temporary file, and what to do, by errno
+    errno.EACCES: f"this process may not write to {{folder}}: {_elsewhere}, or make the folder writable",
+    errno.EPERM: f"this process may not write to {{folder}}: {_elsewhere}, or make the folder writable",
+    errno.EROFS: f"{{folder}} is on a read-only file system: {_elsewhere}",
+    errno.EISDIR: "{path} is a folder: save under another name, or move the folder away",
+    errno.ENOTDIR: f"a part of {{folder}} is a file, not a folder: {_elsewhere}",
+    errno.EEXIST: f"a part of {{folder}} is a file, not a folder: {_elsewhere}",
+    errno.ENAMETOOLONG: "the name is too long for the temporary file `.{name}.<pid>.tmp` written next to it first: use a shorter name",
+}
+
+def _write_error(e:OSError, path:Path, tmp:Path) -> OSError|None:
+    "`e`, raised while writing `path` through `tmp`, as an error of its type that names `path` and what to do; None where it is about another file, or another cause"
+    ours = {str(tmp), str(path), *map(str, path.parents)}
+    if e.errno not in _cannot_write or not (e.filename is None or str(e.filename) in ours): return None
+    why = _cannot_write[e.errno].format(path=path, folder=path.parent, name=path.name)
+    return type(e)(e.errno, f"Cannot write {path} ({e.strerror}): {why}. Nothing was replaced: the previous file, if any, is intact", str(path))
 
 @contextmanager
 def replacing_file(
@@ -44,28 +65,62 @@ def replacing_file(
 ): # A context manager giving the temporary file's path
     "A temporary file in `path`'s folder to write to; it becomes `path` only once written and flushed to the disk"
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _drop_stale(path.parent)
     tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
     try:
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _drop_stale(path.parent)
             yield tmp
             with open(tmp, 'rb+') as f: os.fsync(f.fileno())
+            os.replace(tmp, path)
         except Exception as e:
-            if not _disk_full(e): raise
-            raise OSError(errno.ENOSPC, f"No space left on the disk of {path.parent} ({shutil.disk_usage(path.parent).free:,} "
-                          f"bytes free) to write {path.name}: nothing was replaced, the previous file is intact. Free "
-                          "some space, or save elsewhere (`learn.path`, `learn.model_dir`).") from e
-        os.replace(tmp, path)
-    finally: tmp.unlink(missing_ok=True)
+            if _disk_full(e):
+                raise OSError(errno.ENOSPC, f"No space left on the disk of {path.parent} ({shutil.disk_usage(path.parent).free:,} "
+                              f"bytes free) to write {path.name}: nothing was replaced, the previous file is intact. Free "
+                              "some space, or save elsewhere (`learn.path`, `learn.model_dir`).") from e
+            err = _write_error(e, path, tmp) if isinstance(e, OSError) else None
+            if err is None: raise
+            raise err from e # (the error of the hidden temporary file names it: this one names the file asked for)
+    finally:
+        try: tmp.unlink(missing_ok=True)
+        except OSError: pass # (a folder that could not be written to holds no temporary file)
+
+# %% ../nbs/05a_checkpoint.ipynb #c3e0a9d1
+def _check_name(
+    arg:str, # The argument's name
+    value, # What was passed
+    what:str, # What it names, for the error
+) -> None:
+    "Refuse a file name that is not a str or a path, or names no file, before anything changes"
+    if not isinstance(value, (str, os.PathLike)): raise TypeError(f"`{arg}` must be a str or a path ({what}), got {value!r}")
+    if not Path(value).name: raise ValueError(f"`{arg}` must name a file ({what}), got {value!r}")
+
+def _check_keywords(
+    f:str, # The function's name
+    kwargs:dict, # The keyword arguments passed
+    allowed:tuple, # Those it takes
+    instead:dict={}, # Those it refuses, and what to pass instead
+) -> None:
+    "Refuse a keyword argument `f` does not take, listing those it takes, and a switch that is not True or False, before anything changes"
+    for k in kwargs:
+        if k in instead: raise TypeError(f"{f} does not take `{k}`: {instead[k]}")
+        if k not in allowed: raise TypeError(f"{f} got an unexpected keyword argument `{k}`; it takes {', '.join(f'`{a}`' for a in allowed)}")
+    for k in ('with_opt', 'strict', 'weights_only'):
+        if k in kwargs and not isinstance(kwargs[k], bool): raise TypeError(f"`{k}` must be True or False, got {kwargs[k]!r}")
+
+# What fastai's `save` passes on (`save_model`, then `torch.save`), and what its `export` takes
+_save_keywords = ('with_opt', 'pickle_protocol', *[k for k in inspect.signature(torch.save).parameters if k not in ('obj', 'f', 'pickle_protocol')])
+_export_keywords = ('pickle_module', 'pickle_protocol')
 
 # %% ../nbs/05a_checkpoint.ipynb #8ad17b56
 @patch
 def save_atomic(self:Learner,
     file, # A name in `learn.path/learn.model_dir`, as for `learn.save`
-    **kwargs # Passed to `learn.save` (`with_opt`, `pickle_protocol`)
+    **kwargs # Passed to `learn.save` (`with_opt`, `pickle_protocol`, and torch.save's)
 ) -> Path: # Where the checkpoint is
     "`learn.save`, replacing the old file only once the new one is whole"
+    _check_name('file', file, "a name in `learn.path/learn.model_dir`, as for `learn.save`")
+    _check_keywords('save_atomic', kwargs, _save_keywords)
     path = join_path_file(file, self.path/self.model_dir, ext='.pth')
     if fsdp_sharded(self.model): return self.save(file, **kwargs) # every rank gathers; rank 0 writes, as here (`to_sharded`)
     if rank_distrib(): return path # (fastai saves on rank 0 only)
@@ -73,22 +128,60 @@ def save_atomic(self:Learner,
         with open(tmp, 'wb') as f: self.save(f, **kwargs)
     return path
 
+# %% ../nbs/05a_checkpoint.ipynb #e5b7f2a4
+def _chain(opt) -> list:
+    "`opt` and the optimizers inside it: the wrapper, fastai's `Optimizer` or `OptimWrapper`, the torch optimizer it wraps"
+    res = []
+    while opt is not None and hasattr(opt, '__dict__') and not any(opt is o for o in res):
+        res.append(opt)
+        opt = vars(opt).get('opt')
+    return res
+
+def _held(
+    learn:Learner,
+    weights:bool, # Whether to hold a copy of the model's weights and buffers (a load writes into them)
+) -> dict: # What `_put_back` restores
+    "What a load or an export may change in `learn`, as it is now: its optimizer (the object, and the attributes of it and of those inside it), its loss scaler's fields, its data, and with `weights` a copy of the model's weights and buffers"
+    # fastai's and torch's `load_state_dict` (and fastai's `create_opt`, in `export`) put new state, hyper-parameters and
+    # groups in the place of the optimizer's own, and never write into them: holding its attributes is enough to put them
+    # back, with no call of the optimizer's own, so that putting them back cannot fail as the load did
+    opt = getattr(learn, 'opt', None)
+    scaler = opt.scaler if isinstance(opt, OptimizerWithScaler) else None
+    if scaler is not None: scaler.settle() # (every step recorded: its fields are final)
+    tensors = [t for t in get_model(learn.model).state_dict(keep_vars=True).values() if isinstance(t, Tensor)] if weights else []
+    return {'opt':opt, 'dls':learn.dls, 'attrs':[(o, dict(vars(o))) for o in _chain(opt) + ([scaler] if scaler is not None else [])],
+            'weights':[(t, t.detach().to('cpu', copy=True)) for t in tensors]} # (a copy on the CPU: no device memory more than fastai's load)
+
+def _put_back(learn:Learner, held:dict) -> None:
+    "Restore what `_held` held; a Ctrl-C in the middle starts it again, and is raised once all of it is back"
+    interrupted = None
+    while True:
+        try:
+            learn.opt,learn.dls = held['opt'],held['dls']
+            for o,attrs in held['attrs']: vars(o).clear(); vars(o).update(attrs) # (what was set since goes too)
+            for t,copied in held['weights']: t.detach().copy_(copied) # (into the model's own tensors, where the load wrote: no autograd, no grad mode to set)
+            break
+        except KeyboardInterrupt as e: interrupted = interrupted or e # a restore that cannot half-happen: again, then raise
+    if interrupted is not None: raise interrupted
+
 # %% ../nbs/05a_checkpoint.ipynb #4b91bf3d
 @patch
 def export_atomic(self:Learner,
     fname='export.pkl', # A name in `learn.path`, as for `learn.export`
-    **kwargs # Passed to `learn.export`
+    **kwargs # Passed to `learn.export` (`pickle_module`, `pickle_protocol`)
 ) -> Path: # Where the export is
-    "`learn.export`, replacing the old file only once the new one is whole"
+    "`learn.export`, replacing the old file only once the new one is whole; the learner keeps its optimizer and data whatever happens"
+    _check_name('fname', fname, "a name in `learn.path`, as for `learn.export`")
+    _check_keywords('export_atomic', kwargs, _export_keywords)
     path = Path(self.path)/fname
     if fsdp_sharded(self.model): return self.export(fname, **kwargs) # every rank gathers; rank 0 writes, as here (`to_sharded`)
     if rank_distrib(): return path
-    opt,dls = self.opt,self.dls # fastai's `export` empties both while it writes, and gives them back only if it succeeds
+    # fastai's `export` empties the optimizer and the data while it writes, with no `finally`, then builds a new optimizer
+    # (or clears an `OptimWrapper` given as `opt_func`) and loads the state into it: the learner gets back its own, always
+    held = _held(self, weights=False)
     try:
         with replacing_file(path) as tmp: self.export(Path(fname).with_name(tmp.name), **kwargs) # fastai writes to `self.path/fname`
-    except BaseException:
-        self.opt,self.dls = opt,dls # a failed export leaves the learner as it was: its optimizer state, its data
-        raise
+    finally: _put_back(self, held)
     return path
 
 # %% ../nbs/05a_checkpoint.ipynb #6d6a47e3
@@ -121,16 +214,46 @@ def _truncated(path:Path) -> bool:
     at = tail.rfind(b'PK\x05\x06')
     return at < 0 or at + 22 > len(tail) or at + 22 + int.from_bytes(tail[at+20:at+22], 'little') != len(tail)
 
+def _zipped(path:Path) -> bool:
+    "Whether `path` is a zip archive (torch's format), not a file in torch's legacy format"
+    with open(path, 'rb') as f: return f.read(4) == b'PK\x03\x04'
+
+def _damage(path:Path) -> str|None: # What is damaged, or None
+    "What in the zip archive at `path` (torch's format) does not match the CRC-32 checksums written with it, read through once; None for an intact archive, or a file in torch's legacy format (no checksums)"
+    if not _zipped(path): return None
+    try: z = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as e: return f"its zip archive's directory cannot be read ({e}): the file changed after it was written"
+    bad = []
+    with z:
+        for info in z.infolist():
+            try:
+                with z.open(info) as f:
+                    while f.read(1 << 24): pass # (`ZipExtFile` checks the CRC-32 as it reads: at the end, it raises on a mismatch)
+            except (zipfile.BadZipFile, zlib.error, EOFError): bad.append(repr(info.filename))
+    return (f"the data of {_listed(bad)} does not match the CRC-32 checksum written with it: the file changed after it was "
+            "written (a disk, a transfer or a copy damaged it)") if bad else None
+
+def _truncated_error(path:Path) -> EOFError:
+    return EOFError(f"{path} is truncated: the file ends before the checkpoint does ({os.path.getsize(path):,} bytes), so a save "
+                    "was cut off while writing it (`save_atomic` never leaves one behind). Nothing was loaded; load an earlier checkpoint.")
+
+def _corrupt_error(path:Path, what:str) -> ValueError:
+    return ValueError(f"{path} is corrupt: {what}, so nothing was loaded. Load an earlier checkpoint, or a copy of this one.")
+
 def _read_checkpoint(path:Path, **torch_load_kwargs):
-    "The checkpoint at `path`, or an error that says the file is truncated"
+    "The checkpoint at `path`, once its archive's checksums pass; or an error that says the file is truncated, or corrupt"
+    if path.is_file(): # (else torch.load says what it is: no such file, a folder)
+        if _truncated(path): raise _truncated_error(path)
+        damage = _damage(path) # (torch reads tensors without checking their checksums: a flipped bit would load)
+        if damage: raise _corrupt_error(path, damage)
     try: return _torch_load(path, **torch_load_kwargs)
-    except FileNotFoundError: raise
+    except (OSError, MemoryError): raise # (the file system's, or the memory's: not the file's)
     except Exception as e:
-        if isinstance(e, EOFError) or (path.is_file() and _truncated(path)):
-            raise EOFError(f"{path} is truncated: the file ends before the checkpoint does ({os.path.getsize(path):,} bytes), "
-                           "so a save was cut off while writing it (`save_atomic` never leaves one behind). Nothing was loaded; "
-                           "load an earlier checkpoint.") from e
-        raise
+        if isinstance(e, pickle.UnpicklingError) and 'Unsupported global' in str(e): raise # (an object torch loads only from a source you trust: its message says how)
+        if isinstance(e, EOFError) or (path.is_file() and _truncated(path)): raise _truncated_error(path) from e
+        first = (str(e).strip().splitlines() or [''])[0][:200]
+        raise _corrupt_error(path, f"{'its checksums pass, but ' if _zipped(path) else ''}its contents cannot be unpickled "
+                                   f"({type(e).__name__}: {first}): it was damaged before it was written, or is not a checkpoint") from e
 
 # %% ../nbs/05a_checkpoint.ipynb #88e3da29
 def _listed(items:list, n:int=5, sep:str=', ') -> str: return sep.join(items[:n]) + (f" and {len(items)-n} more" if len(items) > n else '')
@@ -157,20 +280,127 @@ def _weight_misfits(saved, model:nn.Module, strict:bool) -> list: # What does no
     return res
 
 # %% ../nbs/05a_checkpoint.ipynb #b1054167
-def _fits(t:Tensor, p:Tensor) -> bool: # (Adam's averages have the parameter's shape, Adafactor's factors broadcast to it)
-    try: return torch.broadcast_shapes(t.shape, p.shape) == p.shape
+_switches = ('do_wd', 'force_train') # fastai's per-parameter switches, set by the learner (`wd_bn_bias`, `train_bn`), not by a step
+
+def _made_at_a_step(
+    opt, # The learner's optimizer: a fastai `Optimizer`, or a torch optimizer
+    group:int, # The parameter group
+    p:Tensor, # A parameter of that group
+) -> dict|None: # The state, or None where a stand-in cannot step
+    "The state `opt` makes for a parameter like `p` in `group`: one step of a stand-in of it, with the group's hyper-parameters, on a stand-in parameter of `p`'s dimensions (each of size 2), type and device"
+    x = torch.zeros((2,)*p.dim(), dtype=p.dtype, device=p.device, requires_grad=True)
+    x.grad = torch.zeros_like(x)
+    try:
+        if isinstance(opt, Optimizer):
+            if type(opt).step is not Optimizer.step: return None # (a subclass that steps its own way, as `Lookahead` steps another optimizer)
+            stand = copy.copy(opt)
+            stand.param_lists,stand.hypers,stand.state = L([L([x])]),L([dict(opt.hypers[group])]),defaultdict(dict)
+        else: stand = type(opt)([{**{k:v for k,v in opt.param_groups[group].items() if k != 'params'}, 'params':[x]}])
+        stand.step()
+        return dict(stand.state[x])
+    except Exception: return None
+
+def _a_count(v, tensors:bool) -> bool:
+    "Whether `v` is a step count: a non-negative integer, or with `tensors` a tensor of one element holding one (torch keeps its steps in float tensors)"
+    if isinstance(v, Tensor):
+        if not tensors or v.numel() != 1 or v.dtype == torch.bool or v.is_complex(): return False
+        x = v.item()
+        return math.isfinite(x) and x >= 0 and x == int(x)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0
+
+def _shown(v) -> str: return repr(v.item()) if isinstance(v, Tensor) and v.numel() == 1 else f"a {type(v).__name__} of {tuple(v.shape)}" if isinstance(v, Tensor) else repr(v)
+
+def _param_state_misfits(
+    states:list, # The saved per-parameter states, in the order of `params`
+    params:list, # (parameter, its group) pairs of the learner's optimizer
+    names:dict, # The parameters' names, by id
+    opt, # The learner's optimizer: a fastai `Optimizer`, or a torch optimizer
+) -> list: # What does not fit, a sentence each
+    "How the saved per-parameter states do not fit `opt`'s: keys of another optimizer, other shapes or types, steps that are not counts, inf/NaN values"
+    torch_opt = not isinstance(opt, Optimizer)
+    made,another,shapes,types,steps,switches,bad = {},{},[],[],[],[],[]
+    for i,(s,(p,g)) in enumerate(zip(states, params)):
+        name = names.get(id(p), f'parameter {i}')
+        if not isinstance(s, dict):
+            shapes.append(f"{name}'s state is a {type(s).__name__}, not a dict")
+            continue
+        at = (g, p.dim(), p.dtype, p.device)
+        if at not in made: made[at] = _made_at_a_step(opt, g, p)
+        own = made[at]
+        keys = [k for k in s if k not in _switches]
+        # State is made at the first step a parameter has a gradient: an empty one fits, a partial one is another optimizer's
+        if own is not None and keys and set(keys) != set(own):
+            another.setdefault((', '.join(sorted(map(repr, keys))), ', '.join(sorted(map(repr, own))) or 'no state'), []).append(name)
+        for k,v in s.items():
+            if k == 'step' and not _a_count(v, tensors=torch_opt): steps.append(f"{name}'s step is {_shown(v)}")
+            if k in _switches and not isinstance(v, bool): switches.append(f"{name}'s {k} is {_shown(v)}")
+            if _nonfinite(v): bad.append(f"{name}'s {k}")
+            if not isinstance(v, Tensor) or k == 'step': continue
+            ref = own.get(k) if own is not None else None
+            ref = ref if isinstance(ref, Tensor) else None
+            x = (2,)*p.dim() # (the stand-in's shape)
+            if ref is not None and ref.shape != x and ref.dim() == 0: # a scalar: a count, a running product
+                if v.dim() != 0: shapes.append(f"{name}'s {k} is {tuple(v.shape)}, a scalar in the learner's optimizer")
+                continue
+            if ref is not None and ref.shape != x and _broadcasts(ref.shape, x): # factored by the optimizer itself (torch's `Adafactor`)
+                if v.dim() != ref.dim() or not _broadcasts(v.shape, p.shape):
+                    shapes.append(f"{name}'s {k} is {tuple(v.shape)}, a factor of the parameter {tuple(p.shape)} in the learner's optimizer")
+            elif ref is not None and ref.shape != x: continue # (a layout of the optimizer's own)
+            elif v.shape != p.shape and not (torch_opt and ref is None and v.dim() == 0):
+                shapes.append(f"{name}'s {k} is {tuple(v.shape)}, the parameter {tuple(p.shape)}")
+                continue
+            want = ref.dtype if ref is not None else p.dtype if v.is_floating_point() else v.dtype
+            if v.dtype != want and v.dim() != 0:
+                types.append(f"{name}'s {k} is {v.dtype}, " + (f"the parameter {p.dtype}" if want == p.dtype else f"{want} in the learner's optimizer"))
+    fix = "build the learner with the `opt_func` it was saved with, or load with `with_opt=False`"
+    return ([f"optimizer state of another optimizer ({fix}): " + '; '.join(f"{_listed(ns)} hold {k}, the learner's optimizer keeps {o}"
+                                                                        for (k,o),ns in another.items())] if another else []) + (
+            [f"optimizer state of another shape: {_listed(shapes, sep='; ')}"] if shapes else []) + (
+            [f"optimizer state of another type: {_listed(types, sep='; ')}"] if types else []) + (
+            [f"optimizer steps that are not counts (non-negative integers): {_listed(steps, sep='; ')}"] if steps else []) + (
+            [f"optimizer switches that are not True or False: {_listed(switches, sep='; ')}"] if switches else []) + (
+            [f"optimizer state with inf or NaN values: {_listed(bad)}"] if bad else [])
+
+def _broadcasts(shape, to) -> bool:
+    try: return torch.broadcast_shapes(shape, to) == to
     except RuntimeError: return False
 
-def _param_state_misfits(states:list, params:list, names:dict) -> list: # What does not fit, a sentence each
-    "How the per-parameter optimizer states `states` do not fit `params`, in the same order: other shapes, inf/NaN values"
-    shapes,bad = [],[]
-    for i,(s,p) in enumerate(zip(states, params)):
-        name = names.get(id(p), f'parameter {i}')
-        for k,v in (s.items() if isinstance(s, dict) else []):
-            if isinstance(v, Tensor) and not _fits(v, p): shapes.append(f"{name}'s {k} is {tuple(v.shape)}, the parameter {tuple(p.shape)}")
-            if _nonfinite(v): bad.append(f"{name}'s {k}")
-    return ([f"optimizer state of another shape: {_listed(shapes, sep='; ')}"] if shapes else []) + (
-            [f"optimizer state with inf or NaN values: {_listed(bad)}"] if bad else [])
+def _a_number(v) -> bool: return (isinstance(v, numbers.Real) and not isinstance(v, bool)) or (isinstance(v, Tensor) and v.dim() == 0 and not v.is_complex())
+
+def _same_kind(v, own) -> bool:
+    "Whether the saved hyper-parameter `v` is of the kind the learner's optimizer's `own` is: True or False, a number, a tuple of them"
+    if isinstance(own, bool): return isinstance(v, bool)
+    if _a_number(own): return _a_number(v)
+    if type(own) is tuple: return isinstance(v, (tuple, list)) and len(v) == len(own) and all(_same_kind(a, b) for a,b in zip(v, own))
+    return True
+
+def _hyper_misfits(
+    saved:list, # The saved hyper-parameters, a dict per group
+    own:list, # The learner's optimizer's
+    filled:set=set(), # Keys a load fills where they are missing (torch's `__setstate__`)
+    extra:bool=True, # Whether a key the learner's optimizer does not have is another optimizer's (fastai's); torch's schedulers add their own
+) -> list: # What does not fit, a sentence each
+    "How the saved hyper-parameters do not fit the learner's optimizer's: missing, another optimizer's, of another kind"
+    missing,extras,kinds = [],[],[]
+    for i,(h,o) in enumerate(zip(saved, own)):
+        if not isinstance(h, dict):
+            kinds.append(f"group {i} is a {type(h).__name__}, not a dict")
+            continue
+        m = [repr(k) for k in o if k != 'params' and k not in h and k not in filled]
+        if m: missing.append(f"{', '.join(m)} in group {i}")
+        x = [repr(k) for k in h if k != 'params' and k not in o]
+        if extra and x: extras.append(f"{', '.join(x)} in group {i}")
+        kinds += [f"{k!r} of group {i} is {_shown(h[k])}" for k in o if k != 'params' and k in h and not _same_kind(h[k], o[k])]
+    return ([f"optimizer hyper-parameters missing, which the learner's optimizer steps with (the checkpoint of another optimizer?): {_listed(missing, sep='; ')}"] if missing else []) + (
+            [f"optimizer hyper-parameters of another optimizer, which the learner's does not have: {_listed(extras, sep='; ')}"] if extras else []) + (
+            [f"optimizer hyper-parameters of another kind than the learner's optimizer's: {_listed(kinds, sep='; ')}"] if kinds else [])
+
+def _filled_by_torch(opt:torch.optim.Optimizer) -> set:
+    "The group keys that `opt`'s `__setstate__` fills where a state dict lacks them, as torch does for checkpoints of its earlier versions"
+    bare = object.__new__(type(opt))
+    try: type(opt).__setstate__(bare, {'defaults':dict(opt.defaults), 'state':{}, 'param_groups':[{'params':[]}]})
+    except Exception: return set()
+    return set(bare.param_groups[0]) - {'params'}
 
 def _opt_misfits(saved, opt, model:nn.Module) -> list: # What does not fit, a sentence each
     "How the saved optimizer state does not fit `opt` (a fastai `Optimizer`, or an `OptimWrapper` of a torch optimizer)"
@@ -182,7 +412,7 @@ def _opt_misfits(saved, opt, model:nn.Module) -> list: # What does not fit, a se
            for k,v in h.items() if k != 'params' and _nonfinite(v)]
     res = [f"optimizer hyper-parameters with inf or NaN values: {_listed(bad)}"] if bad else []
     if isinstance(opt, Optimizer): # fastai's: a state per parameter, in `all_params`' order, and hypers per group
-        params = [p for p,*_ in opt.all_params()]
+        params = [(p,g) for g,pg in enumerate(opt.param_lists) for p in pg]
         state,hypers = saved.get('state'),saved.get('hypers')
         if not isinstance(state, (list, tuple, L)) or not isinstance(hypers, (list, tuple, L)):
             return res + ["the optimizer state is not a fastai `Optimizer`'s (no 'state' and 'hypers' lists)"]
@@ -190,7 +420,7 @@ def _opt_misfits(saved, opt, model:nn.Module) -> list: # What does not fit, a se
             res.append(f"the optimizer state has {len(hypers)} parameter groups, the learner's optimizer {len(opt.param_lists)}")
         if len(state) != len(params):
             return res + [f"the optimizer state is for {len(state)} parameters, the learner's optimizer has {len(params)}"]
-        return res + _param_state_misfits(state, params, names)
+        return res + _hyper_misfits(hypers, opt.hypers) + _param_state_misfits(state, params, names, opt)
     torch_opt = getattr(opt, 'opt', None)
     if isinstance(opt, OptimWrapper) and isinstance(torch_opt, torch.optim.Optimizer): # torch's: states by index, groups of indices
         state,groups = saved.get('state'),saved.get('param_groups')
@@ -201,8 +431,9 @@ def _opt_misfits(saved, opt, model:nn.Module) -> list: # What does not fit, a se
         sizes = [(len(g['params']), len(o)) for g,o in zip(groups, own)]
         if any(a != b for a,b in sizes):
             return res + [f"the optimizer state's parameter groups hold {[a for a,_ in sizes]} parameters, the learner's optimizer's {[b for _,b in sizes]}"]
-        index = [(i,p) for g,o in zip(groups, own) for i,p in zip(g['params'], o)]
-        return res + _param_state_misfits([state.get(i, {}) for i,_ in index], [p for _,p in index], names)
+        index = [(i,p,n) for n,(g,o) in enumerate(zip(groups, own)) for i,p in zip(g['params'], o)]
+        return res + _hyper_misfits(groups, torch_opt.param_groups, filled=_filled_by_torch(torch_opt), extra=False) + _param_state_misfits(
+            [state.get(i, {}) for i,_,_ in index], [(p,n) for _,p,n in index], names, torch_opt)
     # Another library's optimizer: its layout is its own, only its values are checked
     bad = _nonfinite_at(saved)
     return res + ([f"optimizer state with inf or NaN values: {_listed(bad)}"] if bad else [])
@@ -214,32 +445,61 @@ def _nonfinite_at(x, at:str='') -> list: # Where in `x`, nested dicts, lists and
 
 # %% ../nbs/05a_checkpoint.ipynb #37d271fd
 def _misfits(learn:Learner, state, with_opt:bool, strict:bool) -> list: # What does not fit, a sentence each
-    "Everything in the checkpoint `state` that does not fit `learn`: its weights, and with `with_opt` its optimizer state"
+    "Everything in the checkpoint `state` that does not fit `learn`: its weights, and with `with_opt` its optimizer state and the loss scaler's"
     has_opt = isinstance(state, dict) and set(state) == {'model', 'opt'} # (fastai's layout: else the file is the weights alone)
     res = _weight_misfits(state['model'] if has_opt else state, get_model(learn.model), strict)
-    if has_opt and with_opt: res += _opt_misfits({k:v for k,v in state['opt'].items() if k != scaler_key} if isinstance(state['opt'], dict)
-                                                 else state['opt'], learn.opt, get_model(learn.model))
+    if not (has_opt and with_opt): return res
+    saved = state['opt']
+    res += _opt_misfits({k:v for k,v in saved.items() if k != scaler_key} if isinstance(saved, dict) else saved, learn.opt, get_model(learn.model))
+    entry = saved.get(scaler_key) if isinstance(saved, dict) else None
+    if entry is not None and isinstance(learn.opt, OptimizerWithScaler):
+        try: learn.opt.scaler.check_state_dict(entry)
+        except (ValueError, TypeError, KeyError) as e: res.append(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
     return res
+
+@contextmanager
+def _holding_errors(opt): # A list: what `opt.load_state_dict` raised during the block, if anything
+    "For the length of the block, whatever `opt.load_state_dict` raises (an error, a Ctrl-C) is held in the list it gives, not raised: fastai's `load_model` calls it inside a bare `except:` that would swallow it, and keep the weights it loaded"
+    held,load,own = [],opt.load_state_dict,vars(opt).get('load_state_dict')
+    def holding(sd):
+        try: return load(sd)
+        except BaseException as e: held.append(e)
+    opt.load_state_dict = holding # (an attribute of the instance, found before its class's method: fastai calls `opt.load_state_dict`)
+    try: yield held
+    finally:
+        if own is None: del opt.load_state_dict
+        else: opt.load_state_dict = own
+
+_load_keywords = ('with_opt', 'strict', 'weights_only', 'pickle_module') # fastai's `load_model`'s, and torch.load's it passes on
+_load_instead = {'map_location':"pass `device`, as to `learn.load`", 'mmap':"the checks read the file memory-mapped, and fastai's `load` reads it whole"}
 
 @patch
 def load_checked(self:Learner,
     file, # A name in `learn.path/learn.model_dir`, as for `learn.load`
-    device=None, # As for `learn.load`
-    **kwargs # Passed to `learn.load` (`with_opt`, `strict`, and torch.load's)
+    device=None, # As for `learn.load`: a device, a CUDA index, or None for the data's
+    **kwargs # Passed to `learn.load`: `with_opt`, `strict`, and torch.load's `weights_only`, `pickle_module`
 ) -> Learner:
-    "`learn.load`, all or nothing: the weights, optimizer state and loss scaler's state are checked before anything is loaded, and a Ctrl-C is never swallowed"
+    "`learn.load`, all or nothing: the file's checksums, weights, optimizer state and loss scaler's state are checked before anything is loaded, and an error or a Ctrl-C during the load puts back what was there"
+    _check_name('file', file, "a name in `learn.path/learn.model_dir`, as for `learn.load`")
+    _check_keywords('load_checked', kwargs, _load_keywords, _load_instead)
+    if not (device is None or isinstance(device, (int, str, torch.device)) and not isinstance(device, bool)):
+        raise TypeError(f"`device` must be a device, a str such as 'cuda:0', a CUDA index or None (the data's device), got {device!r}")
     path = join_path_file(file, self.path/self.model_dir, ext='.pth')
-    if self.opt is None: self.create_opt()
-    with_opt = kwargs.get('with_opt', True)
-    state = _read_checkpoint(path, **{k:v for k,v in kwargs.items() if k not in ('with_opt', 'strict')})
-    misfits = _misfits(self, state, with_opt, kwargs.get('strict', True))
-    if misfits: raise ValueError(f"{path} does not fit this learner, so nothing was loaded:\n- " + '\n- '.join(misfits))
-    entry = state['opt'].get(scaler_key) if isinstance(state, dict) and set(state) == {'model', 'opt'} and isinstance(state['opt'], dict) else None
-    if with_opt and entry is not None and isinstance(self.opt, OptimizerWithScaler): self.opt.scaler.check_state_dict(entry)
-    del state # (memory-mapped: fastai's load reads the file again, onto `device`)
-    self.load(file, device=device, **kwargs)
-    interrupted = getattr(self.opt, 'interrupted', None)
-    if interrupted is not None:
-        self.opt.interrupted = None
-        raise interrupted
+    created = self.opt is None
+    if created: self.create_opt() # (what the file's optimizer state is checked against; a load that does not happen gives it back)
+    try:
+        state = _read_checkpoint(path, **{k:v for k,v in kwargs.items() if k not in ('with_opt', 'strict')})
+        misfits = _misfits(self, state, kwargs.get('with_opt', True), kwargs.get('strict', True))
+        if misfits: raise ValueError(f"{path} does not fit this learner, so nothing was loaded:\n- " + '\n- '.join(misfits))
+        del state # (memory-mapped: fastai's load reads the file again, onto `device`)
+        held = _held(self, weights=True)
+        try:
+            with _holding_errors(self.opt) as raised: self.load(file, device=device, **kwargs)
+            if raised: raise raised[0]
+        except BaseException:
+            _put_back(self, held) # the weights, the optimizer's state and the scaler's, as they were
+            raise
+    except BaseException:
+        if created: self.opt = None
+        raise
     return self

@@ -6,9 +6,9 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/fused.html.md"""
 
 # %% ../nbs/02a_fused.ipynb #07271ea0
 from __future__ import annotations
-import copy
 from functools import partial
 from fastcore.basics import GetAttr
+from fastai.learner import Learner
 import torch
 from torch import Tensor
 from fastai.optimizer import (Optimizer, OptimWrapper, weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat,
@@ -129,7 +129,7 @@ class OptimizerWithScaler(GetAttr):
     def __init__(self,
         opt, # A fastai `Optimizer` or `OptimWrapper`
         scaler:LossScaler, # The loss scaler whose state travels with the optimizer's
-    ): self.opt,self.scaler,self.interrupted,self._guard = opt,scaler,None,None
+    ): self.opt,self.scaler,self._guard = opt,scaler,None
 
     @property
     def skips_on_flag(self) -> bool:
@@ -154,21 +154,21 @@ class OptimizerWithScaler(GetAttr):
     def load_state_dict(self,
         sd:dict, # A state dict from `state_dict`, or a plain optimizer state dict (the scaler is then left as it is)
     ):
-        "Load the optimizer's state, and the scaler's if `sd` has it: the scaler's is checked first, so it is all or nothing"
+        "Load the optimizer's state, and the scaler's if `sd` has it: the scaler's is checked first, so that a bad entry loads nothing"
+        # An error or a Ctrl-C is raised as it comes: fastai's `learn.load` calls this inside a bare `except:`, which turns
+        # either into its warning "Could not load the optimizer state." (a Ctrl-C included); `load_checked` holds what it
+        # catches, puts back the weights and the states, and raises it
         sd = dict(sd)
         scaler_sd = sd.pop(scaler_key, None)
-        try:
-            if scaler_sd is not None: self.scaler.check_state_dict(scaler_sd)
-            self.opt.load_state_dict(sd)
-            if scaler_sd is not None: self.scaler.load_state_dict(scaler_sd)
-        except Exception: raise # fastai warns that the optimizer state could not be loaded
-        except BaseException as e: self.interrupted = e # fastai's bare `except:` would swallow a Ctrl-C: `load_checked` raises it
+        if scaler_sd is not None: self.scaler.check_state_dict(scaler_sd)
+        self.opt.load_state_dict(sd)
+        if scaler_sd is not None: self.scaler.load_state_dict(scaler_sd)
 
 # %% ../nbs/02a_fused.ipynb #9ce26ba7
 def _with_scaler(opt_func, scaler, params, **kwargs): return OptimizerWithScaler(opt_func(params, **kwargs), scaler)
 
 class ScalerOptFunc(partial):
-    "A learner's `opt_func` whose optimizers carry `scaler`; pickled (in `learn.export`), it is the `opt_func` it wraps"
+    "A learner's `opt_func` whose optimizers carry `scaler`, shown as the `opt_func` it wraps (`learn.summary()`)"
     def __new__(cls, opt_func, scaler:LossScaler):
         lr = opt_func.keywords.get('lr') if isinstance(opt_func, partial) else None # fastai's `create_opt` reads it there
         return super().__new__(cls, _with_scaler, opt_func, scaler, **({} if lr is None else {'lr': lr}))
@@ -176,7 +176,12 @@ class ScalerOptFunc(partial):
     def inner(self): # The `opt_func` it wraps
         "The learner's own `opt_func`"
         return self.args[0]
-    def __reduce__(self): return (copy.copy, (self.inner,)) # an export loads without mpcallbacks
+    @property
+    def scaler(self) -> LossScaler:
+        "The loss scaler its optimizers carry"
+        return self.args[1]
+    def __repr__(self): return repr(self.inner) # as the user gave it
+    def __reduce__(self): return (type(self), (self.inner, self.scaler)) # (a copy; a pickle of the learner holds the `opt_func` it wraps)
 
 # %% ../nbs/02a_fused.ipynb #e815cf45
 def carry_scaler(learn:Learner, scaler:LossScaler) -> None:
@@ -186,7 +191,8 @@ def carry_scaler(learn:Learner, scaler:LossScaler) -> None:
     if getattr(learn, 'opt', None) is not None: learn.opt = OptimizerWithScaler(learn.opt, scaler)
 
 # %% ../nbs/02a_fused.ipynb #766de9e8
-def drop_scaler(learn:Learner) -> None:
-    "Undo `carry_scaler`"
-    if isinstance(learn.opt_func, ScalerOptFunc): learn.opt_func = learn.opt_func.inner
-    if isinstance(getattr(learn, 'opt', None), OptimizerWithScaler): learn.opt = learn.opt.opt
+def drop_scaler(learn:Learner, scaler:LossScaler|None=None) -> None:
+    "Undo `carry_scaler`: of `scaler` only, where given (another's stays)"
+    if isinstance(learn.opt_func, ScalerOptFunc) and (scaler is None or learn.opt_func.scaler is scaler): learn.opt_func = learn.opt_func.inner
+    opt = getattr(learn, 'opt', None)
+    if isinstance(opt, OptimizerWithScaler) and (scaler is None or opt.scaler is scaler): learn.opt = opt.opt

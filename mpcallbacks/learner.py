@@ -1,4 +1,4 @@
-"""What importing mpcallbacks.learner adds to fastai's Learner: `to_mixed`/`to_unmixed`, checkpoint helpers, and the one wrapped method, `fit`.
+"""What importing mpcallbacks.learner adds to fastai's Learner: `to_mixed`/`to_unmixed`, checkpoint helpers, `fit` wrapped, and an export without mpcallbacks.
 
 Docs: https://mpcallbacks.github.io/mpcallbacks/learner.html.md"""
 
@@ -11,9 +11,10 @@ import numpy as np
 from contextlib import ExitStack
 from functools import wraps
 from fastai.basics import * # and no more of fastai: its `callback.progress` would add a progress bar to every learner
+import copy # (after fastai's star import, whose `copy` is the function)
 from .policy import check_castable, unmatched_names, cast_summary
 from .callback import MasterMixedPrecision, check_no_fastai_fp16
-from .fused import carry_scaler, drop_scaler
+from .fused import OptimizerWithScaler, ScalerOptFunc
 from .mixed_fit import until_done
 from . import checkpoint, doctor # (each adds its `Learner` methods: the checkpoint helpers, `precision_report`)
 
@@ -64,9 +65,12 @@ def _torch_version() -> tuple: return tuple(int(x) for x in torch.__version__.sp
 @delegates(MasterMixedPrecision.__init__)
 def to_mixed(self:Learner,
     dtype:torch.dtype|str|None=None, # `torch.float16` or `torch.bfloat16`; None: the fastest type the learner's device computes natively
+    *args, # (none: every other argument is passed by name)
     **kwargs
 ) -> Learner: # The learner itself, with one `MasterMixedPrecision` callback
     "Train in 16-bit mixed precision with FP32 master weights"
+    if args: raise TypeError(f"to_mixed() takes the dtype as its one positional argument, got {len(args) + 1}: pass the others by "
+                             f"name, e.g. to_mixed({_show(dtype)}, loss_scale={args[0]!r}).")
     _undo_with_fastai() # (fastai may have defined `to_fp32` since this module was imported)
     _check_arguments(kwargs)
     check_no_fastai_fp16(self)
@@ -84,15 +88,15 @@ def to_mixed(self:Learner,
     until_done(lambda: _mix(self, old, cb)) # (whole: a Ctrl-C in the middle completes it, then is raised)
     return self
 
+def _show(dtype) -> str: return repr(dtype) if not isinstance(dtype, torch.dtype) else f"torch.{str(dtype)[6:]}"
+
 def _mix(learn, old:list, cb:MasterMixedPrecision) -> None: # (idempotent)
     _unmix(learn, old)
-    carry_scaler(learn, cb.scaler)
-    if cb not in learn.cbs: learn.add_cb(cb)
+    if cb not in learn.cbs: learn.add_cb(cb) # (added, the callback has the learner's optimizer carry its scaler)
 
 def _unmix(learn, cbs:list) -> None: # (idempotent)
     for cb in cbs: cb.end_fit()
-    drop_scaler(learn)
-    learn.remove_cbs(cbs)
+    learn.remove_cbs(cbs) # (removed, each lets the optimizer go)
 
 # %% ../nbs/05_learner.ipynb #0431f333
 @patch
@@ -150,3 +154,25 @@ def _fit(self, *args, **kwargs):
         for cb in mine: stack.enter_context(cb.running_fit())
         return _fastai_fit(self, *args, **kwargs)
 Learner.fit = _fit
+
+# %% ../nbs/05_learner.ipynb #c9fb092d
+_fastai_getstate = getattr(Learner.__getstate__, '__wrapped__', Learner.__getstate__) # fastai's own, also if this module is reloaded
+
+@wraps(_fastai_getstate)
+def _getstate(self) -> dict:
+    "fastai's state of the learner, less what mpcallbacks adds to it: what a pickle of the learner (its export) holds"
+    state,ours = _fastai_getstate(self),_mixed_cbs(self)
+    state['cbs'] = L(cb for cb in state['cbs'] if cb not in ours)
+    for cb in ours:
+        if state.get(cb.name) is cb: del state[cb.name] # (`add_cb` made it an attribute too)
+    if isinstance(state.get('opt_func'), ScalerOptFunc): state['opt_func'] = state['opt_func'].inner
+    if isinstance(state.get('opt'), OptimizerWithScaler): state['opt'] = state['opt'].opt
+    return state
+Learner.__getstate__ = _getstate
+
+def _deepcopy(self, memo) -> Learner:
+    "A deep copy of the learner as it is, mixed precision included"
+    res = memo[id(self)] = object.__new__(type(self))
+    res.__setstate__(copy.deepcopy(_fastai_getstate(self), memo))
+    return res
+Learner.__deepcopy__ = _deepcopy

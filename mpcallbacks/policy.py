@@ -23,7 +23,7 @@ __all__ = ['always_fp32', 'norms_taking_16bit_input', 'ModulePolicy', 'keeps_fp3
 @dataclass(frozen=True)
 class ModulePolicy:
     "What one module does in a mixed forward; `MixedPrecisionPolicy`'s fields, for one module"
-    kind:str # 'autocast', 'normalization', 'kept', 'recurrent' or 'inside'
+    kind:str # 'autocast', 'normalization', 'kept', 'recurrent', 'unnested' or 'inside'
     param_dtype:torch.dtype|None # What its own parameters compute in: None, as autocast casts them in each op; FP32; or 16 bits
     input_dtype:torch.dtype|None # What its floating-point inputs are cast to on the way in; None: as they come
     autocast:bool # Whether autocast is on for its call
@@ -32,7 +32,7 @@ class ModulePolicy:
     @property
     def hooked(self) -> bool:
         "Whether the cast needs hooks on this module (the others run as torch runs them, under autocast or inside a kept one)"
-        return self.kind in ('kept', 'recurrent')
+        return self.kind in ('kept', 'recurrent', 'unnested')
 
 # %% ../nbs/00_policy.ipynb #b01c0008
 _SpectralNorm = getattr(parametrizations, '_SpectralNorm', None) # the parametrization (torch's private name)
@@ -106,6 +106,8 @@ def model_policy(
                  else ModulePolicy('kept', f32, f32, False, why))
         elif top is not None: p = ModulePolicy('inside', f32, None, False, f"{_why_kept(names[id(top)], top, keep)} (in `{names[id(top)]}`)")
         elif isinstance(m, _recurrent): p = ModulePolicy('recurrent', dtype, dtype, False, 'recurrent: cast for its call')
+        elif isinstance(m, nn.TransformerEncoder) and getattr(m, 'use_nested_tensor', False): # (torch's check for autocast reads CUDA's only)
+            p = ModulePolicy('unnested', None, None, True, 'autocast, without nested tensors')
         else: p = ModulePolicy('autocast', None, None, True, 'autocast')
         res[name] = (m, p)
     return res

@@ -161,10 +161,13 @@ class LossScaler:
         **kwargs
     ) -> LossScaler: # The scaler `loss_scale` asks for
         "The `LossScaler` that `loss_scale` asks for, with `init_scale` only used by dynamic scaling"
-        if isinstance(loss_scale, str):
-            if loss_scale not in ('auto', 'dynamic'):
-                raise ValueError(f"loss_scale must be 'dynamic', a positive number or None, got {loss_scale!r}")
-            if loss_scale == 'auto': loss_scale = 'dynamic' if dtype == torch.float16 else None
+        allowed = "'auto' (dynamic for float16, None for bfloat16), 'dynamic', a positive number (a static scale) or None (no scaling)"
+        if isinstance(loss_scale, str) and loss_scale not in ('auto', 'dynamic'):
+            near = f": did you mean {loss_scale.strip().lower()!r}?" if loss_scale.strip().lower() in ('auto', 'dynamic') else ''
+            raise ValueError(f"loss_scale must be {allowed}, got {loss_scale!r}{near}")
+        if not (loss_scale is None or isinstance(loss_scale, (str, numbers.Real))) or isinstance(loss_scale, bool):
+            raise TypeError(f"loss_scale must be {allowed}, got {type(loss_scale).__name__} {loss_scale!r}")
+        if loss_scale == 'auto': loss_scale = 'dynamic' if dtype == torch.float16 else None
         if loss_scale == 'dynamic': scaler,name = cls(dynamic=True, **kwargs),'init_scale'
         elif 'init_scale' in kwargs:
             raise ValueError(f"init_scale only applies to dynamic scaling (loss_scale='dynamic'); with loss_scale={loss_scale!r} "
@@ -316,9 +319,10 @@ class LossScaler:
                 f"nothing has been learned since. Likely causes: {'; or '.join(causes)}.")
 
     def state_dict(self) -> dict:
-        "The scaler's state as plain Python scalars, with the mode and the growth interval it was counted under (every step recorded first)"
+        "The scaler's state as plain Python values, with the mode and the growth interval it was counted under and the history of its steps (every step recorded first)"
         self.settle()
-        return {**{k:getattr(self, k) for k in _state_keys}, 'dynamic':self.dynamic, 'growth_interval':self.growth_interval}
+        return {**{k:getattr(self, k) for k in _state_keys}, 'dynamic':self.dynamic, 'growth_interval':self.growth_interval,
+                'history':[list(r) for r in self.history.runs]}
 
     def check_state_dict(self,
         sd:dict, # A state dict from `state_dict` (older ones lack 'dynamic' and 'growth_interval')
@@ -334,15 +338,17 @@ class LossScaler:
                              f"the skips in a row are among all the skips, got {res['consecutive_skips']!r}")
         if not isinstance(sd.get('dynamic', self.dynamic), bool): raise TypeError(f"the loss scaler state's dynamic must be True or False, got {sd['dynamic']!r}")
         if 'growth_interval' in sd: _check_int("the loss scaler state's growth_interval", sd['growth_interval'], 1, _max_count)
+        if 'history' in sd: res['history'] = _check_history(sd['history'])
         return {**res, 'dynamic':sd.get('dynamic', self.dynamic)}
 
     def load_state_dict(self,
         sd:dict, # What `state_dict` returned
     ) -> None:
-        "Restore the count of skipped steps, and the scale with its counters where both scale alike (both dynamic, or the same static scale): all of it, or nothing"
+        "Restore the count of skipped steps and the history of steps, and the scale with its counters where both scale alike (both dynamic, or the same static scale): all of it, or nothing"
         v = self.check_state_dict(sd)
         self.settle()
         self.skipped = v['skipped']
+        if 'history' in v: self.history.runs = v['history'] # (loaded back after `lr_find`, its steps are gone from the plot)
         # A run of skips and a growth count were counted at the checkpoint's scale: they go on only where that scale does
         if self.dynamic != v['dynamic'] or (not self.dynamic and _f32(v['scale']) != self.scale):
             self.consecutive_skips,self._run_start = 0,None
@@ -385,6 +391,17 @@ def _check_scale(name, x) -> float:
         raise ValueError(f"{name} must be a positive finite number within float32's normal range [2**-126, 2**126] "
                          f"(so that 1/{name} is finite too), got {x!r}")
     return float(x)
+
+def _check_history(runs) -> list:
+    "A saved history's runs, checked: `[scale, skipped, steps]` each"
+    ok = lambda r: (isinstance(r, (list, tuple)) and len(r) == 3 and isinstance(r[1], bool) and isinstance(r[2], int)
+                    and not isinstance(r[2], bool) and r[2] >= 1 and not isinstance(r[0], bool) and isinstance(r[0], numbers.Real)
+                    and min_loss_scale <= r[0] <= max_loss_scale)
+    bad = next((r for r in runs if not ok(r)), None) if isinstance(runs, (list, tuple)) else runs
+    if bad is not None or not isinstance(runs, (list, tuple)):
+        raise ValueError(f"the loss scaler state's history must be a list of [scale, skipped, steps] runs (a positive scale, "
+                         f"True or False, an int >= 1), got {bad!r}")
+    return [[float(s), k, n] for s,k,n in runs]
 
 def _check_int(name, x, low:int, high:int|None=None) -> int:
     allowed = f"an int >= {low}" if high is None else f"an int from {low} to {'2**63 - 1' if high == _max_count else high}"

@@ -99,7 +99,7 @@ def test_only_rank0_writes_and_load_round_trips_masters_scaler_and_opt_state(ran
     r0, r1 = ranks('checkpoint') # saved after batch 2 of a DDP fit, exported after it, then both ranks loaded rank 0's file
     assert r0['files'] == ['export.pkl', 'mid.pth'] and r1['files'] == []
     saved = r0['saved']
-    assert saved['scaler'] == {'scale': 128., 'growth_tracker': 1, 'skipped': 1, 'consecutive_skips': 0, 'dynamic': True, 'growth_interval': 3} # batch 1 skipped
+    assert {k:v for k,v in saved['scaler'].items() if k != 'history'} == {'scale': 128., 'growth_tracker': 1, 'skipped': 1, 'consecutive_skips': 0, 'dynamic': True, 'growth_interval': 3} # batch 1 skipped
     sd = torch.load(ranks.out/'checkpoint_rank0'/'mid.pth', weights_only=False)
     assert all(t.dtype == torch.float32 for t in sd['model'].values())
     assert same_tensors(list(sd['model'].values()), saved['masters']) # the FP32 masters, not the 16-bit weights
