@@ -132,3 +132,15 @@ def test_contributing_quotes_the_dependencies_pyproject_declares():
     declared = {s for s in re.findall(r'"([^"]+)"', declared) if re.match(r'(torch|fastai|fastcore)\W', s)}
     sentence = re.search(r'`pyproject.toml` declares (.*?)[:.]\s', (ROOT/'CONTRIBUTING.md').read_text(), re.S).group(1)
     assert set(re.findall(r'`([^`]+)`', sentence)) == declared
+
+
+def test_a_number_a_rendered_cell_types_is_checked_against_the_cited_text(tmp_path):
+    "What a rendered cell reads from the results is checked by rendering it; what it writes out by hand, like any quote"
+    cell = rendered_cell(None)
+    cell['source'] = cell['source'].replace('ms (', 'ms, and 7.77 ms typed by hand (')
+    root = repo(tmp_path, '', [cell])
+    check_numbers.check_rendered(root/'nbs', fix=True)
+    rendered = {}
+    assert check_numbers.check_rendered(root/'nbs', seen=rendered) == []
+    errors = check_numbers.check_quoted(root, check_numbers.documents(root), rendered)
+    assert len(errors) == 1 and '7.77' in errors[0], errors

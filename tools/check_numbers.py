@@ -12,8 +12,9 @@ outputs of cells):
    whose text is `measured` or `tested` cites the repository file or docs page it points to (a page: its notebook's
    text; a test file: its source, where the bounds it asserts are). A
    number quoted with fewer decimals than the file gives passes when it is the file's rounded ('16' for '16.00');
-   numbers in code spans and in the links' addresses are not quotes. Version numbers (two dots and more) are skipped,
-   and so are the sentences of rendered cells, which check 1 renders again (their numbers may be derived: '3 min 3 s').
+   numbers in code spans and in the links' addresses are not quotes. Version numbers (two dots and more) are skipped.
+   In the sentences of rendered cells, which check 1 renders again (their numbers may be derived: '3 min 3 s'), only the
+   numbers the cell's code writes out in its strings, typed by hand, are checked here.
 
     python tools/check_numbers.py          # both checks; exit status 1 on any failure, each one named
     python tools/check_numbers.py --fix --rendered-only  # save the fresh output of every stale rendered cell (`make numbers`)
@@ -77,8 +78,15 @@ def markdown_output(md:str) -> dict:
             'execution_count': None, 'metadata': {}, 'output_type': 'execute_result'}
 
 
-def check_rendered(nbs:Path, fix:bool=False, seen:set|None=None) -> list:
-    "Errors for the rendered cells whose saved output is stale (with `fix`, none: the output is saved); `seen` gets their sentences"
+def typed(source:str) -> set:
+    "The numbers a rendered cell's code writes out in its strings (typed by hand, not read from the results)"
+    code = '\n'.join(l for l in source.splitlines() if not l.startswith('#|'))
+    texts = [n.value for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    return set(numbers('\n'.join(texts)))
+
+
+def check_rendered(nbs:Path, fix:bool=False, seen:dict|None=None) -> list:
+    "Errors for the rendered cells whose saved output is stale (with `fix`, none: the output is saved); `seen` gets their sentences, each with the numbers its cell types by hand"
     errors,changed = [],{}
     for path,nb,cell in rendered_cells(nbs):
         where = f"{path.relative_to(nbs.parent)}, cell {cell.get('id', '?')}"
@@ -86,7 +94,7 @@ def check_rendered(nbs:Path, fix:bool=False, seen:set|None=None) -> list:
         except Exception as e:
             errors.append(f'{where}: the rendered cell fails: {type(e).__name__}: {e}')
             continue
-        if seen is not None: seen.update(_key(b) for b in blocks(fresh))
+        if seen is not None: seen.update({_key(b): typed(_source(cell)) for b in blocks(fresh)})
         if _markdown_output(cell) == fresh: continue
         if fix:
             cell['outputs'],cell['execution_count'] = [markdown_output(fresh)],None
@@ -196,14 +204,16 @@ def _key(sentence:str) -> str:
     return ' '.join(_link_re.sub(lambda m: m.group(1), sentence).split())
 
 
-def check_quoted(root:Path, docs:list, rendered:set=frozenset()) -> list:
-    "Errors for the numbers quoted next to citing links that the cited text lacks; sentences in `rendered` are skipped"
+def check_quoted(root:Path, docs:list, rendered:dict|None=None) -> list:
+    "Errors for the numbers quoted next to citing links that the cited text lacks; of the sentences in `rendered`, only the numbers their cells type by hand"
+    rendered = rendered or {}
     sources,errors = Sources(root),[]
     for doc in docs:
         texts = notebook_texts(doc) if doc.suffix == '.ipynb' else [doc.read_text()]
         for text in texts:
             for sentence in blocks(text):
-                if _key(sentence) in rendered: continue # checked by rendering it again
+                # a rendered sentence: what it reads from the results is checked by rendering it again; what its cell types, here
+                only = rendered.get(_key(sentence))
                 links = cites(sentence, sources, doc)
                 if not links: continue
                 cited = []
@@ -211,6 +221,7 @@ def check_quoted(root:Path, docs:list, rendered:set=frozenset()) -> list:
                     try: cited += numbers(sources.text(path, anchor))
                     except (LookupError, OSError) as e: errors.append(f'{doc.relative_to(root)}: {url}: {e}')
                 for q in numbers(sentence):
+                    if only is not None and q not in only: continue
                     if not quoted_in(q, cited):
                         names = ', '.join(sorted({p.relative_to(root).as_posix() + (f'#{a}' if a else '') for _,p,a in links}))
                         errors.append(f'{doc.relative_to(root)}: {q} is quoted next to a link to {names}, which does not have it:'
@@ -229,7 +240,7 @@ def main(argv=None):
     ap.add_argument('--rendered-only', action='store_true', help='Only check 1, the rendered cells (with --fix: `make numbers`)')
     args = ap.parse_args(argv)
     root = args.root.resolve()
-    rendered = set()
+    rendered = {}
     errors = check_rendered(root/'nbs', fix=args.fix, seen=rendered)
     if not args.rendered_only: errors += check_quoted(root, documents(root), rendered)
     for e in errors: print(e)
