@@ -55,16 +55,11 @@ class HostMemory:
     "Which tensors are host memory, pinned or not, as the emulation knows them (every other tensor is device memory)"
     def __init__(self): self._host,self._pinned = weakref.WeakValueDictionary(),weakref.WeakValueDictionary() # id -> tensor
     def add(self, ts:list, pinned:bool=False) -> None:
-        "Know the tensors `ts` as host memory (and as pinned, with `pinned`)"
         for t in ts:
             self._host[id(t)] = t
             if pinned: self._pinned[id(t)] = t
-    def is_host(self, t) -> bool:
-        "Whether `t` is a tensor known as host memory"
-        return isinstance(t, Tensor) and self._host.get(id(t)) is t
-    def is_pinned(self, t) -> bool:
-        "Whether `t` is a tensor known as pinned host memory"
-        return isinstance(t, Tensor) and self._pinned.get(id(t)) is t
+    def is_host(self, t) -> bool: return isinstance(t, Tensor) and self._host.get(id(t)) is t
+    def is_pinned(self, t) -> bool: return isinstance(t, Tensor) and self._pinned.get(id(t)) is t
 
 host_memory = HostMemory() # (one for every mode and flag: a flag's host copy is known to the sync rule of any mode)
 
