@@ -14,7 +14,8 @@ from .policy import always_fp32, model_policy, check_castable
 from .policy import keeps_fp32, kept_tops, KeptFor, cast_summary, unmatched_names, norm_types, mixed_input_types # (their earlier home)
 
 # %% auto #0
-__all__ = ['as_16bit_dtype', 'native_16bit_dtypes', 'warn_if_slow', 'cast_floats', 'ModelCast', 'cast_holding', 'cast_model']
+__all__ = ['as_16bit_dtype', 'native_16bit_dtypes', 'user_stacklevel', 'warn_if_slow', 'cast_floats', 'ModelCast', 'cast_holding',
+           'cast_model', 'note_dtype_clash']
 
 # %% ../nbs/00_cast.ipynb #f3845181
 _dtype_names = {'float16': torch.float16, 'fp16': torch.float16, 'half': torch.float16,
@@ -53,15 +54,17 @@ def native_16bit_dtypes(
     if _cpu_has('amx_fp16'): res.add(torch.float16)
     return res
 
+# %% ../nbs/00_cast.ipynb #c94de51c
 _warned = set()
 
-def _user_stacklevel() -> int:
+def user_stacklevel() -> int:
     "The `stacklevel` of the first frame outside torch, fastai, fastcore and mpcallbacks: the user's call (`learn.fit(...)`)"
     f,level = sys._getframe(2),2 # (`warnings.warn`'s caller is level 1)
     while f is not None and f.f_globals.get('__name__', '').split('.')[0] in ('torch', 'fastai', 'fastcore', 'mpcallbacks'):
         f,level = f.f_back,level + 1
     return level if f is not None else 2
 
+# %% ../nbs/00_cast.ipynb #8657b67d
 def warn_if_slow(
     dtype:torch.dtype, # The 16-bit type of the forward
     device:torch.device, # Where the model's parameters live
@@ -76,7 +79,7 @@ def warn_if_slow(
     faster = (f"`to_mixed({other})` is native here and the faster choice" if other in native else
               "FP32 (`learn.to_unmixed()`) is faster here; mixed precision pays off on a GPU, or a CPU with AMX")
     warnings.warn(f"{name} math is emulated on {where} and much slower than FP32: {faster} ({name} still trains correctly).",
-                  stacklevel=_user_stacklevel())
+                  stacklevel=user_stacklevel())
 
 # %% ../nbs/00_cast.ipynb #d4f6aa1c
 def cast_floats(
@@ -88,6 +91,8 @@ def cast_floats(
     if isinstance(x, PackedSequence): return x._replace(data=cast_floats(x.data, dtype)) # its sizes and indices stay int64
     if isinstance(x, tuple) and hasattr(x, '_fields'): return type(x)._make([cast_floats(o, dtype) for o in x])
     if isinstance(x, tuple): return type(x)([cast_floats(o, dtype) for o in x])
+    if type(x) is list: return [cast_floats(o, dtype) for o in x]
+    if type(x) is dict: return {k:cast_floats(v, dtype) for k,v in x.items()} # (no `copy.copy`: torch.compile traces a hook through this)
     if isinstance(x, (list, dict)): # a copy of the same class (an `OrderedDict` subclass stays one), values cast
         res = copy.copy(x)
         for k in (range(len(x)) if isinstance(x, list) else x): res[k] = cast_floats(x[k], dtype)
@@ -95,6 +100,12 @@ def cast_floats(
     return x
 
 # %% ../nbs/00_cast.ipynb #5525acbe
+def _compiled(model:nn.Module) -> bool:
+    "Whether `model` or a module of it is compiled (`torch.compile(model)`, `module.compile()`)"
+    dynamo = sys.modules.get('torch._dynamo.eval_frame') # (not imported: nothing is compiled)
+    return dynamo is not None and any(isinstance(m, dynamo.OptimizedModule) or getattr(m, '_compiled_call_impl', None) is not None
+                                      for m in model.modules())
+
 class ModelCast:
     "A model's forward in 16 bits inside the regions its owner opens (`begin`/`end`): autocast in the ops, hooks where autocast cannot serve"
     def __init__(self,
@@ -147,10 +158,14 @@ class ModelCast:
 
     def register(self) -> None:
         "Register the hooks, once: on each module whose policy needs them"
+        # A call that raises is undone by the region's end, and, in an eager model, at once by torch (`always_call`), for
+        # the forward's own code that catches the error. Not in a compiled one: dynamo guards its graphs on which hooks are
+        # `always_call`, by the hooks' ids, new at each fit, and would compile the model again at every fit.
+        always = not _compiled(self.model)
         for m,p in self.policy.values():
             if not p.hooked: continue
             self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self.handles.append(m.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+            self.handles.append(m.register_forward_hook(self._post, with_kwargs=True, always_call=always))
 
     def _pre(self, m:nn.Module, args:tuple, kwargs:dict):
         regions,calls = self._state()
@@ -232,6 +247,7 @@ def cast_holding(
     "The registered cast that holds `module`, if any"
     return _casting.get(id(module))
 
+# %% ../nbs/00_cast.ipynb #7cd87d0a
 def cast_model(
     model:nn.Module, # The FP32 model
     dtype:torch.dtype=torch.float16, # `torch.float16` or `torch.bfloat16`
@@ -273,7 +289,7 @@ _clash_note = ("to_mixed: an FP32 tensor met a 16-bit one in the forward, in an 
     "inside the `forward` (torch.zeros, `.float()`, an FP32 buffer) and a 16-bit activation. Make the one with the dtype of "
     "the other (`.to(x.dtype)`), or keep the module whose forward does this in FP32 with `to_mixed(keep_fp32=['its name'])`.")
 
-def _note_dtype_clash(e) -> None:
+def note_dtype_clash(e) -> None:
     "Say, on torch's dtype-mismatch error from a 16-bit forward, what causes it and what to do (from Python 3.11)"
     if not isinstance(e, RuntimeError) or not hasattr(e, 'add_note') or _clash_note in getattr(e, '__notes__', ()): return
     msg = str(e)

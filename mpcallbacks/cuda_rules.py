@@ -55,11 +55,16 @@ class HostMemory:
     "Which tensors are host memory, pinned or not, as the emulation knows them (every other tensor is device memory)"
     def __init__(self): self._host,self._pinned = weakref.WeakValueDictionary(),weakref.WeakValueDictionary() # id -> tensor
     def add(self, ts:list, pinned:bool=False) -> None:
+        "Record the tensors `ts` as host memory (pinned, if `pinned`)"
         for t in ts:
             self._host[id(t)] = t
             if pinned: self._pinned[id(t)] = t
-    def is_host(self, t) -> bool: return isinstance(t, Tensor) and self._host.get(id(t)) is t
-    def is_pinned(self, t) -> bool: return isinstance(t, Tensor) and self._pinned.get(id(t)) is t
+    def is_host(self, t) -> bool:
+        "Whether `t` is a tensor recorded as host memory"
+        return isinstance(t, Tensor) and self._host.get(id(t)) is t
+    def is_pinned(self, t) -> bool:
+        "Whether `t` is a tensor recorded as pinned host memory"
+        return isinstance(t, Tensor) and self._pinned.get(id(t)) is t
 
 host_memory = HostMemory() # (one for every mode and flag: a flag's host copy is known to the sync rule of any mode)
 
@@ -194,6 +199,8 @@ def like_cuda(
         stack.enter_context(mode)
         yield mode
 
+
+# %% ../nbs/98_cuda_rules.ipynb #01950465
 @contextmanager
 def count_syncs(
     rules=('syncs',), # More rules to apply while counting (`like_cuda`'s)

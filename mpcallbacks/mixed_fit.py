@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from fastai.basics import Learner
 from fastai.callback.core import CancelStepException, CancelFitException
-from .cast import cast_model, warn_if_slow, _user_stacklevel, _note_dtype_clash
+from .cast import cast_model, warn_if_slow, user_stacklevel, note_dtype_clash
 from .master import MasterParams, GradPhase
 from .distributed import RankAgreement, local_tensor
 from .scaler import LossScaler, NonFiniteGradients, InFlightFlag
@@ -74,7 +74,7 @@ def _loss_at_skip(loss:Tensor) -> float: # The loss, as a float
         warnings.warn(f"A step was skipped with a loss of {res}, which no loss scale fixes: the inputs or targets are not "
                       "finite (check them with `torch.isfinite`), the model's forward overflows in 16 bits "
                       "(`learn.precision_report()` finds where), or the weights have blown up (a learning rate too high). "
-                      "Every step with a non-finite loss is skipped.", SkippedStepsWarning, stacklevel=_user_stacklevel())
+                      "Every step with a non-finite loss is skipped.", SkippedStepsWarning, stacklevel=user_stacklevel())
     return res
 
 # %% ../nbs/03a_mixed_fit.ipynb #a7f3c2d1
@@ -319,10 +319,10 @@ class MixedFit:
         if start is None or self.stopped_by is not None: return # (the storm stop said it already)
         steps,skipped = len(self.scaler.history) - start[0],self.scaler.skipped - start[1]
         if not skipped: return
-        if skipped < steps: return warnings.warn(_skipped_steps(skipped, steps, self.scaler.scale), SkippedStepsWarning, stacklevel=_user_stacklevel())
+        if skipped < steps: return warnings.warn(_skipped_steps(skipped, steps, self.scaler.scale), SkippedStepsWarning, stacklevel=user_stacklevel())
         err = NonFiniteGradients(_every_step_skipped(steps, self.scaler, self.skip_loss))
         if self.fits: self.stopped_by = err # raised by `running_fit` once every `after_fit` ran
-        else: warnings.warn(str(err), SkippedStepsWarning, stacklevel=_user_stacklevel()) # (inside fastai's own events: raising would skip other callbacks' `after_fit`)
+        else: warnings.warn(str(err), SkippedStepsWarning, stacklevel=user_stacklevel()) # (inside fastai's own events: raising would skip other callbacks' `after_fit`)
 
     def _close_once(self) -> None:
         try:
@@ -334,7 +334,7 @@ class MixedFit:
                 if self.grads.phase in (GradPhase.SCALED, GradPhase.UNSCALED): self.grads.skip() # (a step that never came: its gradients would join the next fit's)
             self.scaler.settle()
         finally:
-            _note_dtype_clash(sys.exc_info()[1]) # (the error a forward raised, if that is what ends the fit)
+            note_dtype_clash(sys.exc_info()[1]) # (the error a forward raised, if that is what ends the fit)
             if self.cast is not None: self.cast.restore() # (idempotent: the masters in every slot, no hook of ours)
         self._drop()
         self._to(FitPhase.IDLE)

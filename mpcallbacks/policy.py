@@ -51,6 +51,7 @@ def keeps_fp32(
     hooked = _SpectralNormHook is not None and any(isinstance(h, _SpectralNormHook) for h in module._forward_pre_hooks.values())
     return (bool(types) and isinstance(module, types)) or any(fnmatchcase(name, k) for k in keep if isinstance(k, str)) or hooked
 
+# %% ../nbs/00_policy.ipynb #d6986196
 class KeptFor(str):
     "An exact module name for `keep` that carries why the module stays in FP32 (`to_mixed(keep_fp32='auto')` adds them)"
     def __new__(cls,
@@ -90,6 +91,7 @@ def _why_kept(name:str, module:nn.Module, keep:tuple) -> str:
 
 _recurrent = (nn.RNNBase, nn.RNNCellBase)
 
+# %% ../nbs/00_policy.ipynb #419672f7
 def model_policy(
     model:nn.Module, # The FP32 model
     dtype:torch.dtype, # The 16-bit type of its forward
@@ -148,6 +150,7 @@ def check_castable(
     if all(id(p) in kept for _,p in ps if p.is_floating_point()):
         raise ValueError("No parameter left for 16 bits: every floating-point layer is kept in FP32 (see `keep_fp32`).")
 
+# %% ../nbs/00_policy.ipynb #1747c82f
 def unmatched_names(
     model:nn.Module, # The model
     keep:tuple, # Types and name patterns of modules that stay in FP32
