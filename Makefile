@@ -48,7 +48,7 @@ pytest: $(STAMP)
 # PyPI, the wheel and sdist pass `twine check --strict` and carry the LICENSE, the notebook tests and pytest pass, and
 # the docs site builds and passes its checks in headless Chromium. The quick checks run first; then nbdev-test, pytest
 # (in a worker per core) and the docs at once, each target's output printed whole when it ends.
-test: sync-check readme-check dist-check
+test: sync-check readme-check dist-check numbers-check examples-check
 	$(MAKE) --no-print-directory -j3 --output-sync=target nbtest pytest docs-check
 
 # The notebooks and the tests on another stack than the pinned one, in a venv of its own (STACK_VENV, .venv-$(STACK) by
@@ -83,6 +83,31 @@ stack-test:
 # the `# title` and `> summary` on top instead of front matter (nbdev-readme needs Quarto, which cannot be installed here).
 readme: $(STAMP)
 	$(PY) tools/build_readme.py README.md
+
+# The numbers the README and the docs quote come from the files that measured them (bench/results/: results.md from
+# `make bench`, install.json from tools/measure_install.py, suite.json from tools/measure_suite.py). numbers-check fails
+# when a cell that renders a sentence from them has a stale saved output (`make numbers` saves the fresh one, then make
+# readme), or a number written next to a link into bench/results (or a link named `measured` or `tested`) is not in
+# the text it cites. A few seconds; tools/check_numbers.py says how.
+.PHONY: numbers numbers-check examples-check suite-count
+numbers: $(STAMP)
+	$(PY) tools/check_numbers.py --fix --rendered-only
+	$(MAKE) --no-print-directory readme
+
+# After adding or removing tests: pytest's count of them into bench/results/suite.json (pytest --collect-only, seconds;
+# the suite's time stays the last full run's, `python tools/measure_suite.py`), then the sentences and README.md that
+# quote it. tests/test_suite_count.py fails until then.
+suite-count: $(STAMP)
+	$(PY) tools/measure_suite.py --count
+	$(MAKE) --no-print-directory numbers
+
+numbers-check: $(STAMP)
+	$(PY) tools/check_numbers.py
+
+# The examples of the home page, the guides and the API pages run as shown: every name they use comes from a shown cell
+# or a builtin, not from a hidden import or the page's own exports (tools/check_examples.py). A few seconds.
+examples-check: $(STAMP)
+	$(PY) tools/check_examples.py
 
 # Fails when README.md is not what `make readme` makes of nbs/index.ipynb. A few seconds.
 readme-check: $(STAMP)

@@ -321,5 +321,7 @@ def build() -> list:
 
 
 if __name__ == '__main__': # `proc_nbs` starts worker processes, which import this module again
+    from nbdev.config import get_config
     pages = build()
-    print(f"_docs/: {len(pages)} pages ({', '.join(pages)}) built from _proc/ without Quarto")
+    print(f"_docs/: {len(pages)} pages ({', '.join(pages)}) built from _proc/ without Quarto; "
+          f"search index search.js {(get_config().doc_path/'search.js').stat().st_size:,} bytes")

@@ -1,0 +1,145 @@
+"""Fail when a page's example uses a name that only a hidden cell defines: `make examples-check`.
+
+The docs show a notebook's code cells except those hidden (`#| hide`, `#| include: false`, `#| echo: false`), the
+exported definitions (`#| export`, `#| exporti`: the page shows their documentation instead) and the `show_doc` calls.
+A reader copies the shown cells; so every name an example uses must come from a shown cell before it (an import, an
+assignment, a definition, a star import, whose names are read from the module) or be a builtin. Each name that a
+hidden cell or an exported definition supplies instead is reported, with the cell that uses it:
+
+- `hidden`: bound only by a hidden cell (`from mpcallbacks.test_utils import synth_learner` under `#| hide`);
+- `page`: one of the page's own exported names, with no shown import of its module (`from mpcallbacks.all import *`).
+
+    python tools/check_examples.py                      # the home page, the guides and the API pages of nbs/sidebar.yml
+    python tools/check_examples.py nbs/07_doctor.ipynb  # some notebooks
+    python tools/check_examples.py --pending 00_cast    # count these pages' findings without failing on them
+"""
+from __future__ import annotations
+import argparse, ast, builtins, importlib, json, re, sys, warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_hidden_re = re.compile(r'^#\|\s*(hide\b|include:\s*false|echo:\s*false)', re.M)
+_export_re = re.compile(r'^#\|\s*(export|exporti|exports)\b', re.M)
+
+
+def pages(root:Path=ROOT, sections=('Guides', 'API')) -> list:
+    "The home page and the notebooks listed under these sections of nbs/sidebar.yml"
+    import yaml
+    side = yaml.safe_load((root/'nbs'/'sidebar.yml').read_text())['website']['sidebar']['contents']
+    listed = [p for s in side if isinstance(s, dict) and s.get('section') in sections for p in s['contents']]
+    return [root/'nbs'/p for p in ['index.ipynb'] + listed]
+
+
+def _source(cell) -> str: return ''.join(cell['source']) if isinstance(cell['source'], list) else cell['source']
+
+
+def _code(src:str) -> str:
+    "The cell's Python: option lines dropped, IPython's magics and shell lines blanked"
+    return '\n'.join('' if l.lstrip().startswith(('%', '!')) else l for l in src.splitlines() if not l.startswith('#|'))
+
+
+def star_names(module:str) -> set:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            m = importlib.import_module(module)
+    except Exception: return set()
+    return set(getattr(m, '__all__', None) or [n for n in vars(m) if not n.startswith('_')])
+
+
+class Bound(ast.NodeVisitor):
+    "The names a cell binds at its top level (and in its functions' and classes' names), and the names it loads"
+    def __init__(self): self.bound,self.loaded,self.local = set(),[],set()
+    def visit_Import(self, n):
+        for a in n.names: self.bound.add((a.asname or a.name).split('.')[0])
+    def visit_ImportFrom(self, n):
+        for a in n.names:
+            if a.name == '*': self.bound |= star_names(n.module or '')
+            else: self.bound.add(a.asname or a.name)
+    def visit_Name(self, n):
+        if isinstance(n.ctx, (ast.Store, ast.Del)): self.bound.add(n.id)
+        else: self.loaded.append(n.id)
+    def _scope(self, n, args=None):
+        self.bound.add(n.name)
+        inner = Bound()
+        for d in getattr(n, 'decorator_list', []): self.visit(d)
+        if args is not None:
+            for a in ast.walk(args):
+                if isinstance(a, ast.arg): inner.local.add(a.arg)
+            for d in args.defaults + args.kw_defaults:
+                if d is not None: self.visit(d)
+        for s in n.body: inner.visit(s)
+        # names a function or class body binds are its own; what it loads from outside counts for the cell
+        own = inner.bound | inner.local | {n.name}
+        self.loaded += [x for x in inner.loaded if x not in own]
+    def visit_FunctionDef(self, n): self._scope(n, n.args)
+    visit_AsyncFunctionDef = visit_FunctionDef
+    def visit_ClassDef(self, n):
+        for b in n.bases + [k.value for k in n.keywords]: self.visit(b)
+        self._scope(n)
+    def visit_Lambda(self, n):
+        inner = Bound()
+        inner.visit(n.body)
+        args = {a.arg for a in ast.walk(n.args) if isinstance(a, ast.arg)}
+        self.loaded += [x for x in inner.loaded if x not in args | inner.bound]
+    def _comp(self, n):
+        inner = Bound()
+        for g in n.generators: inner.visit(g)
+        for part in ('elt', 'key', 'value'):
+            if getattr(n, part, None) is not None: inner.visit(getattr(n, part))
+        self.loaded += [x for x in inner.loaded if x not in inner.bound]
+        self.bound |= {x for x in inner.bound if False}
+    visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _comp
+    def visit_ExceptHandler(self, n):
+        if n.name: self.bound.add(n.name)
+        self.generic_visit(n)
+    def visit_Global(self, n): self.bound |= set(n.names)
+
+
+def scan(path:Path) -> list:
+    "(kind, name, cell id, first line of the cell) for each name an example uses that a hidden cell or an export supplies"
+    nb = json.loads(path.read_text())
+    shown,hidden,exported = set(dir(builtins)) | {'__name__', '__file__', 'display', 'get_ipython'},set(),set()
+    found = []
+    for cell in nb['cells']:
+        if cell['cell_type'] != 'code': continue
+        src = _source(cell)
+        try: tree = ast.parse(_code(src))
+        except SyntaxError: continue
+        b = Bound()
+        b.visit(tree)
+        if _export_re.search(src): exported |= b.bound; continue
+        if _hidden_re.search(src) or _code(src).lstrip().startswith('show_doc('): hidden |= b.bound; continue
+        # names bound in this cell before their use count: an example defines what it uses
+        for name in dict.fromkeys(b.loaded):
+            if name in shown or name in b.bound: continue
+            kind = 'hidden' if name in hidden else 'page' if name in exported else None
+            if kind: found.append((kind, name, cell.get('id', '?'), _code(src).strip().splitlines()[0][:70]))
+        shown |= b.bound
+    return found
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('notebooks', nargs='*', type=Path, help='Notebooks to check (default: the home page, the guides and the API pages)')
+    ap.add_argument('--pending', nargs='*', default=[], help='Pages (notebook stems) whose findings are counted, not failed on')
+    ap.add_argument('--verbose', action='store_true', help="List the pending pages' findings too")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    nbs = args.notebooks or pages()
+    failed = 0
+    for path in nbs:
+        found = scan(path)
+        if not found: continue
+        pending = path.stem in args.pending
+        failed += 0 if pending else len(found)
+        print(f"{path.name}: {len(found)} name(s) the shown examples use without a shown import" + (' (pending)' if pending else ''))
+        if pending and not args.verbose: continue
+        for kind,name,cid,line in found: print(f'  {name:24} {kind:6} cell {cid}: {line}')
+    if failed: print(f'check_examples: {failed} name(s) supplied only by hidden cells or the page\'s exports'); return 1
+    print(f'check_examples: the examples of {len(nbs) - len(args.pending)} page(s) run as shown' +
+          (f' ({len(args.pending)} pending: {", ".join(args.pending)})' if args.pending else ''))
+    return 0
+
+
+if __name__ == '__main__': sys.exit(main())
