@@ -81,7 +81,8 @@ def main():
     if suite is None: sys.exit(f'make test ended ({rc}) before pytest wrote its report')
     if suite.tag == 'testsuites': suite = suite.find('testsuite')
     counts = {k:int(suite.get(k, 0)) for k in ('tests', 'failures', 'errors', 'skipped')}
-    summary = next((m for l in reversed(log) if (m := re.match(r'=+ (.*\d+ (?:passed|failed).*) in ([\d.]+)s', l.strip()))), None)
+    # (pytest's last line, `909 passed, 3 skipped, 135 warnings in 532.07s (0:08:52)`, framed in `=` without -q)
+    summary = next((m for l in reversed(log) if (m := re.match(r'(?:=+ )?(\d+ (?:passed|failed).*) in ([\d.]+)s', l.strip()))), None)
     outcome = dict((w, int(n)) for n,w in re.findall(r'(\d+) (\w+)', summary.group(1))) if summary else {}
     record = dict(date=str(datetime.date.today()), make_test_seconds=round(secs), make_test_rc=rc,
                   pytest=dict(tests=counts['tests'], passed=outcome.get('passed', 0), failed=outcome.get('failed', 0),
