@@ -157,7 +157,8 @@ class ModelCast:
         regions.pop()
 
     def register(self) -> None:
-        "Register the hooks, once: on each module whose policy needs them"
+        "Take the model's modules (refused where a running cast holds one), then register the hooks, once: on each module whose policy needs them"
+        _take(self) # (idempotent; `restore` releases what an interrupt part way took)
         # A call that raises is undone by the region's end, and, in an eager model, at once by torch (`always_call`), for
         # the forward's own code that catches the error. Not in a compiled one: dynamo guards its graphs on which hooks are
         # `always_call`, by the hooks' ids, new at each fit, and would compile the model again at every fit.
@@ -256,12 +257,11 @@ def cast_model(
     "Register the 16-bit forward of `model` (but the `keep` modules'): hooks once, where its policy needs them"
     res = ModelCast(model, dtype, keep)
     try:
-        _take(res)
         res.register()
+        return res # (inside: an interrupt before the return leaves nothing registered either)
     except BaseException: # (an interrupt part way: nothing of the cast stays registered)
         res.restore()
         raise
-    return res
 
 # %% ../nbs/00_cast.ipynb #9f5f4d2b
 def _is_16bit(t:Tensor) -> bool: return t.dtype in (torch.float16, torch.bfloat16)

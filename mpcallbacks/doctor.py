@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 from fastai.basics import Learner, patch, L
 from .policy import always_fp32, cast_summary, kept_tops, keeps_fp32, check_castable, KeptFor
-from .cast import as_16bit_dtype, cast_model, cast_floats
+from .cast import as_16bit_dtype, ModelCast, cast_floats
 from .scaler import LossScaler
 from .callback import MasterMixedPrecision
 from .distributed import world_size
@@ -134,12 +134,13 @@ class PrecisionProbe:
         self.outs = [] # (name, output) of the batch being measured, for the backward
         self.makers,self._made = {},{} # name -> the modules whose arithmetic made its inputs ('' the model's); id(tensor) -> (that module, weakref), this batch
         self._fp32 = {} # id -> tensor of this batch that stays FP32 in the fit: the model's inputs, what FP32 layers make of them
-        self.cast = cast_model(model, dtype, keep) # off: only the 16-bit reruns switch it on
+        self.cast = ModelCast(model, dtype, keep) # off: only the 16-bit reruns switch it on; registered below
         self._given = {} # name -> the inputs of a module that overwrites them (`inplace=True`), as they were
         self._mode = None # The `_OwnArithmetic` of the forward being measured (its hooks step outside it)
         self._rerunning,self._busy,self._rng,self._running = False,False,{},[] # `_running`: measured modules (None: a kept one) in their forward, innermost last
         mods,self.handles = dict(model.named_modules()),[]
         try: # (one at a time: an interrupt part way leaves every hook made so far in `handles`, for `close`)
+            self.cast.register() # (the cast's too: `close` restores what an interrupt part way registered)
             for n in self.owns:
                 self.handles.append(mods[n].register_forward_pre_hook(self._before(n)))
                 self.handles.append(mods[n].register_forward_hook(self._after(n), with_kwargs=True))
@@ -554,14 +555,16 @@ def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:b
         learn('after_pred')
         return learn.loss_func(cast_floats(learn.pred, torch.float32), *learn.yb)
     with _Untouched(learn), _eager():
-        probe = PrecisionProbe(model, dtype, keep, scale, dynamic)
+        probe = None
         try:
+            probe = PrecisionProbe(model, dtype, keep, scale, dynamic) # (inside: an interrupt as it returns is closed too)
             model.train()
             for _,b in _progress(learn, zip(range(n), dl), n):
                 learn.xb,learn.yb = b[:n_inp],b[n_inp:]
                 probe.measure(learn.xb, loss_of)
             res = probe.read()
-        finally: until_done(probe.close)
+        finally:
+            if probe is not None: until_done(probe.close)
     res.attrs['n_batches'] = n
     return res
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from fastai.basics import Learner
 from fastai.callback.core import CancelStepException, CancelFitException
-from .cast import cast_model, warn_if_slow, user_stacklevel, note_dtype_clash
+from .cast import ModelCast, warn_if_slow, user_stacklevel, note_dtype_clash
 from .master import MasterParams, GradPhase
 from .distributed import RankAgreement, local_tensor
 from .scaler import LossScaler, NonFiniteGradients, InFlightFlag
@@ -137,11 +137,16 @@ class MixedFit:
             self.fit_start,self.skip_loss = (len(self.scaler.history), self.scaler.skipped) if fit else None,None
             self.per_pass = per_pass and not fit
             self.grads,self.ranks = MasterParams([]),RankAgreement()
-            if fit: self.cast = cast_model(learn.model, dtype, keep) # The model's 16-bit forward (FSDP2 casts a sharded one's parameters too)
+            if fit: self._cast() # The model's 16-bit forward (FSDP2 casts a sharded one's parameters too)
             if fit or per_pass: warn_if_slow(dtype, self.device)
         except BaseException: # nothing of a fit that did not start stays behind (an interrupt, an error, a warning made an error)
             self.close()
             raise
+
+    def _cast(self) -> None:
+        "The model's 16-bit forward: the cast held first, then registered (`close` restores what an interrupt part way registered)"
+        self.cast = ModelCast(self.learn.model, self.dtype, self.keep)
+        self.cast.register()
 
     def leave(self) -> None:
         "`after_fit`: the end of what `open` opened, the last one closes"
@@ -172,7 +177,7 @@ class MixedFit:
 
     def start_training(self) -> None:
         "Cast the model if nothing did yet, and follow the optimizer's parameters (a new optimizer, `freeze`/`unfreeze`)"
-        if self.cast is None: self.cast = cast_model(self.learn.model, self.dtype, self.keep)
+        if self.cast is None: self._cast()
         if self.phase is FitPhase.INFERRING: # (fastai's own `fit`, unwrapped)
             self._to(FitPhase.FITTING)
             self.fit_start,self.skip_loss = (len(self.scaler.history), self.scaler.skipped),None
@@ -211,7 +216,7 @@ class MixedFit:
         "`before_validate`: 16-bit inference registers the model's forward for the pass"
         # (here, not at `before_fit`: an entry point whose `before_fit` or `before_epoch` raises, a callback's error after
         # which fastai never dispatches `after_fit`, has registered nothing)
-        if self.cast is None and self.per_pass: self.cast = cast_model(self.learn.model, self.dtype, self.keep)
+        if self.cast is None and self.per_pass: self._cast()
         self._passes.append(len(self._regions))
 
     def end_validation(self) -> None:

@@ -158,3 +158,37 @@ def test_a_fit_whose_masters_cannot_be_built_leaves_learner_intact(exc, monkeypa
     assert_exactly_as_before(learn.model, snap)
     monkeypatch.undo()
     assert_fp32_and_intact(learn, snap['hooks'])
+
+# ---- a Ctrl-C at the last lines of taking the model: nothing of the cast stays registered
+
+import sys, linecache
+from mpcallbacks.cast import cast_holding
+
+def interrupt_at(function:str, line:str):
+    "A tracer: a KeyboardInterrupt as `function` reaches its first line that starts with `line` (as a Ctrl-C there)"
+    def local(frame, event, arg):
+        if event == 'line' and linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip().startswith(line):
+            raise KeyboardInterrupt(f'at {line!r}')
+        return local
+    return lambda frame, event, arg: local if frame.f_code.co_name == function else None
+
+@contextmanager
+def traced(tracer):
+    sys.settrace(tracer)
+    try: yield
+    finally: sys.settrace(None)
+
+def test_a_ctrl_c_as_cast_model_returns_leaves_nothing_registered():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.LSTM(4, 4))
+    with pytest.raises(KeyboardInterrupt), traced(interrupt_at('cast_model', 'return res')): cast_model(model, torch.bfloat16)
+    assert all(cast_holding(m) is None for m in model.modules()) # (it held the model for good: every later fit was refused)
+    cast_model(model, torch.bfloat16).restore()
+
+@pytest.mark.parametrize('line', ['always = ', 'self.cast.register()'], ids=['in register', 'before register'])
+def test_a_ctrl_c_while_a_fit_takes_the_model_leaves_it_free(line):
+    learn = synth_learner().to_mixed(torch.bfloat16, keep_fp32=[nn.Linear])
+    function = 'register' if line.startswith('always') else '_cast'
+    with pytest.raises(KeyboardInterrupt), traced(interrupt_at(function, line)): learn.fit(1, 1e-3)
+    assert all(cast_holding(m) is None for m in learn.model.modules())
+    assert_fp32_and_intact(learn)
+    learn.fit(1, 1e-3) # (the model is free for the next fit)

@@ -81,7 +81,9 @@ def not_at_rest(learn, before:dict, completed:bool) -> list: # What is wrong, a 
         op = [p for pg in opt.param_lists for p in pg]
         if not all(any(a is b for b in ps) for a in op): bad.append("the optimizer's tensors are not the model's")
     if our_hooks(learn.model) != before['hooks']: bad.append('hooks left')
-    if any(cast_holding(m) is not None for m in learn.model.modules()): bad.append('model still registered in a cast')
+    held = [cast_holding(m) for m in learn.model.modules() if cast_holding(m) is not None]
+    if held: bad.append('model still registered in a cast' + ('' if any(c.model is learn.model for c in held) else
+                                                               " (by another model's cast, under a module's reused id)"))
     if torch.is_autocast_enabled('cpu'): bad.append('autocast left on')
     cbs = learn._grab_cbs(MasterMixedPrecision)
     for cb in cbs:
@@ -206,7 +208,9 @@ def sweep(names, quick:bool) -> dict:
                 tracer = Injector(k, j)
                 done,wrong,err = run_one(name, make, call, lambda l, f: traced(f, tracer))
                 made += 1
-                if wrong: bad.append((k, j, wrong, repr(err)[:80]))
+                if wrong:
+                    bad.append((k, j, wrong, repr(err)[:80]))
+                    print(f"  {name}, {kind}: not at rest after an interrupt at line {k} (then {j}): {wrong}; raised {err!r}", flush=True)
             rows[(name, kind)] = (made, bad, n)
             print(f"{name:18} {kind:14} {made:5} injections over {n} lines: {len(bad)} not at rest", flush=True)
     for name in [n for n in ('fit', 'get_preds_16bit') if n in names]: # exceptions at every fastai event, both sides of ours
