@@ -4,7 +4,7 @@ Checked on each page as the browser rendered it:
 - links: internal links resolve (the file exists in `_docs/`, and so does the `#anchor`), and so do the doc links of
   the module docstrings (`Docs: .../cast.html.md`) and every anchor of a public name in `_modidx.py`;
 - content: every image loads and is embedded; no output holds a Python traceback, a progress bar, or a path of the
-  machine that ran the notebook (a warning's `/home/.../site-packages/...`); every API entry (show_doc) has text and
+  machine that ran the notebook (a warning's `/home/.../site-packages/...`) or the kernel's cell name (`<ipython-input-...>`); every API entry (show_doc) has text and
   a link to its source; entries shown one after the other are in the order of the source (nbdev lists the
   definitions of one cell in reverse);
 - the site: nothing failed to load or threw a JavaScript error, the sidebar lists every page, every page links to the
@@ -293,6 +293,7 @@ def check_page(page:str, report:dict, pages:list, order:list, repo_url:str) -> l
             problems.append(f'progress bar committed in an {kind}: {text.strip()[:80]!r} (run it under learn.no_bar())')
         m = LOCAL_PATH_RE.search(text)
         if m: problems.append(f'{kind} shows a path of the machine that ran it: {m.group(0)[:100]!r}')
+        if '<ipython-input-' in text: problems.append(f"{kind} shows the kernel's cell name: {text.strip()[:80]!r} (tools/processed_nb.py's plain_warnings)")
     for m in RAW_LINK_RE.finditer(report['prose']): problems.append(f'markdown link shown as text: ...{m.group(0)[:80]}')
     missing = sorted(set(pages) - set(report['sidebar']))
     if missing: problems.append(f'sidebar does not list {", ".join(missing)} (add them to nbs/sidebar.yml)')

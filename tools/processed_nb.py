@@ -90,6 +90,13 @@ def _markdown_outputs(nb):
             if 'text/markdown' in out.get('data', {}): yield out.data
 
 
+_warning_re = re.compile(r'<ipython-input-\d+-[0-9a-f]+>:\d+: (.*?)\n  [^\n]*(?:\n|$)', re.S)
+
+def plain_warnings(text:str) -> str:
+    "A warning as a reader of the page needs it: `SkippedStepsWarning: ...`, without the kernel's cell name, line and echoed source"
+    return _warning_re.sub(lambda m: m.group(1) + '\n', text)
+
+
 def load_processed(path:Path, html:bool=True) -> tuple[dict, nbformat.NotebookNode]:
     "The front matter and the notebook at `path` (in `_proc/`), with Quarto's markup turned into plain notebook features"
     nb = nbformat.read(path, as_version=4)
@@ -100,6 +107,9 @@ def load_processed(path:Path, html:bool=True) -> tuple[dict, nbformat.NotebookNo
     for cell in nb.cells:
         if cell.cell_type == 'markdown': cell.source = plain_markdown(cell.source, html)
     for data in _markdown_outputs(nb): data['text/markdown'] = plain_markdown(data['text/markdown'], html)
+    for cell in nb.cells:
+        for out in cell.get('outputs', []):
+            if out.get('name') == 'stderr': out['text'] = plain_warnings(out['text'])
     return meta, nb
 
 
