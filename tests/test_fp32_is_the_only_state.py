@@ -130,3 +130,29 @@ def test_batches_without_a_target_predict_and_fit(mixed_inference):
     learn.dls = input_only_dls()
     learn.fit(1, 1e-2) # fastai runs the forward of input-only batches without a loss
     assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
+
+class CancelsFirstBackward(Callback):
+    "Cancels the first batch's backward from inside it (a hook raising fastai's `CancelBackwardException`), and records what `before_step` sees"
+    order = 5
+    def before_fit(self): self.seen,self.cancelled = [],False
+    def before_backward(self):
+        if self.cancelled: return
+        self.cancelled = True
+        def cancel(g):
+            from fastai.callback.core import CancelBackwardException
+            raise CancelBackwardException()
+        self.learn.loss_grad.register_hook(cancel)
+    def before_step(self):
+        ps = list(self.learn.model.parameters())
+        self.seen.append(({p.dtype for p in ps}, all(any(p is q for q in opt_params(self.learn)) for p in ps),
+                          {p.grad.dtype for p in ps if p.grad is not None}))
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+def test_a_cancelled_backward_leaves_the_masters_in_the_slots_at_before_step(dtype):
+    # (GradientClip at before_step clips the masters' own FP32 gradients, as in FP32, also after a cancelled backward)
+    learn = synth_learner().to_mixed(dtype)
+    cb = CancelsFirstBackward()
+    learn.fit(1, 1e-3, cbs=cb)
+    assert cb.seen[0] == ({torch.float32}, True, set()) # the cancelled batch: the masters, and no gradient half made
+    assert all(s == ({torch.float32}, True, {torch.float32}) for s in cb.seen[1:]), cb.seen
+    assert_fp32_and_intact(learn)
