@@ -161,7 +161,7 @@ _fastai_getstate = getattr(Learner.__getstate__, '__wrapped__', Learner.__getsta
 @wraps(_fastai_getstate)
 def _getstate(self) -> dict:
     "fastai's state of the learner, less what mpcallbacks adds to it: what a pickle of the learner (its export) holds"
-    state,ours = _fastai_getstate(self),_mixed_cbs(self)
+    state,ours = dict(_fastai_getstate(self)),_mixed_cbs(self) # (a copy: never the learner's own `__dict__`)
     state['cbs'] = L(cb for cb in state['cbs'] if cb not in ours)
     for cb in ours:
         if state.get(cb.name) is cb: del state[cb.name] # (`add_cb` made it an attribute too)
