@@ -155,6 +155,23 @@ def _fit(self, *args, **kwargs):
         return _fastai_fit(self, *args, **kwargs)
 Learner.fit = _fit
 
+# %% ../nbs/05_learner.ipynb #c7c19d63
+_fastai_validation_context = getattr(Learner.validation_context, '__wrapped__', Learner.validation_context) # fastai's own
+
+class _EnteredWhole(ContextManagers):
+    "fastcore's `ContextManagers`, whose failed enter unwinds what it entered (`learn.lock`, the logger, the progress bar)"
+    def __enter__(self):
+        try: return super().__enter__()
+        except BaseException:
+            until_done(self.stack.close) # (each exit once: a second Ctrl-C in it cannot leave the lock held)
+            raise
+
+@wraps(_fastai_validation_context)
+def _validation_context(self, cbs=None, inner=False):
+    cms = _fastai_validation_context(self, cbs=cbs, inner=inner)
+    return _EnteredWhole(cms.default) if _mixed_cbs(self, cbs) else cms
+Learner.validation_context = _validation_context
+
 # %% ../nbs/05_learner.ipynb #c9fb092d
 _fastai_getstate = getattr(Learner.__getstate__, '__wrapped__', Learner.__getstate__) # fastai's own, also if this module is reloaded
 

@@ -102,8 +102,9 @@ def test_importing_the_callback_changes_nothing_of_fastai():
             "changed = sorted(k for k in vars(Learner) if vars(Learner)[k] is not before.get(k))\nprint(changed)")
     out = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    # added methods, and the two replaced fastai methods: `fit`, and `__getstate__` (a pickle or an export is the FP32 learner)
-    assert out.stdout.strip() == str(['__deepcopy__', '__getstate__', 'export_atomic', 'fit', 'load_checked', 'mixed_summary', 'plot_loss_scale', 'precision_report', 'save_atomic', 'to_mixed', 'to_unmixed'])
+    # added methods, and the replaced fastai methods: `fit`, `__getstate__` (a pickle or an export is the FP32 learner) and
+    # `validation_context` (a failed start of an inference unwinds what it entered)
+    assert out.stdout.strip() == str(['__deepcopy__', '__getstate__', 'export_atomic', 'fit', 'load_checked', 'mixed_summary', 'plot_loss_scale', 'precision_report', 'save_atomic', 'to_mixed', 'to_unmixed', 'validation_context'])
 
 def _documented():
     "Every name a module exports, and the methods its classes define: what the docs' show_doc renders"

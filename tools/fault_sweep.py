@@ -274,7 +274,7 @@ def main():
     failing = {k:v for k,v in rows.items() if v[1]}
     lock_only = sum(1 for _,b,_ in rows.values() for x in b if [w for w in x[-2 if len(x) == 4 and isinstance(x[-1], str) else -1] if w != 'learn.lock held'] == [])
     print(f"\n{total} injections in {time.perf_counter() - start:.0f} s; {sum(len(b) for _,b,_ in rows.values())} left the learner not at rest, "
-          f"{lock_only} of them with fastai's `learn.lock` alone held (a failed `validation_context` enter: documented)")
+          f"{lock_only} of them with fastai's `learn.lock` alone held (a failed `validation_context` enter)")
     for (name, kind),(made,bad,_) in failing.items():
         print(f"  {name}, {kind}: {len(bad)} of {made}; first: {bad[:3]}")
     sys.exit(len(failing))
