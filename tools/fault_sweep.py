@@ -9,6 +9,7 @@ Not part of `make test`: it runs thousands of calls. From the repository root, w
     python tools/fault_sweep.py --quick        # every 7th line, fewer doubles and events
     python tools/fault_sweep.py --only fit,get_preds
     python tools/fault_sweep.py --list         # the entry points
+    python tools/fault_sweep.py --no-lines --only fit,get_preds_16bit   # the exceptions alone
 
 Entry points: fit, fit_one_cycle, fine_tune, lr_find, get_preds/validate/predict with and without 16-bit inference,
 `with learn:`, save_atomic, export_atomic, load_checked, to_mixed/to_unmixed, precision_report and a sharded fit
@@ -122,7 +123,7 @@ ENTRY = {
     'predict': (lambda: learner(mixed_inference=True), lambda l: l.get_preds(dl=l.dls.valid.new(n=1))),
     'with_learn': (lambda: learner(), lambda l: _with(l)),
     'save_atomic': (lambda: _ckpt(learner()), lambda l: l.save_atomic('m')),
-    'export_atomic': (lambda: _ckpt(learner(opt=True)), lambda l: l.export_atomic('e.pkl')),
+    'export_atomic': (lambda: _ckpt(_exportable()), lambda l: l.export_atomic('e.pkl')),
     'load_checked': (lambda: _saved(learner()), lambda l: l.load_checked('m')),
     'to_mixed': (lambda: learner(), lambda l: l.to_mixed(torch.bfloat16)),
     'to_unmixed': (lambda: learner(), lambda l: l.to_unmixed()),
@@ -133,6 +134,14 @@ ENTRY = {
 def _sharded_fit(l):
     l.to_sharded()
     l.fit(1, 1e-3)
+
+def _exportable():
+    "A mixed learner fastai can export: the digits in fastai `Datasets` (fastai's export empties its data with `new_empty`)"
+    from fastai.basics import CrossEntropyLossFlat
+    from mpcallbacks.digits import digits_dls, digits_cnn
+    learn = Learner(digits_dls(), digits_cnn(), loss_func=CrossEntropyLossFlat()).to_mixed(torch.float16)
+    learn.create_opt()
+    return learn
 
 def _with(l):
     with l: l.model(torch.randn(2, 1, 8, 8))
@@ -194,9 +203,9 @@ def run_one(name, make, call, inject) -> tuple: # (completed, what is wrong)
     torch.set_autocast_enabled('cpu', False); torch.clear_autocast_cache() # (a call that left autocast on is counted, not passed on to the next)
     return res
 
-def sweep(names, quick:bool) -> dict:
+def sweep(names, quick:bool, lines:bool=True) -> dict:
     rows = {}
-    for name in names:
+    for name in (names if lines else []):
         make,call = ENTRY[name]
         counter = Injector(None)
         learn = make(); traced(lambda: call(learn), counter)
@@ -260,6 +269,7 @@ def main():
     ap.add_argument('--quick', action='store_true')
     ap.add_argument('--only', default=','.join(ENTRY))
     ap.add_argument('--list', action='store_true', help='print the entry points and exit')
+    ap.add_argument('--no-lines', action='store_true', help="only the exceptions (fit's and get_preds_16bit's), no line-level interrupts")
     args = ap.parse_args()
     if args.list: return print('\n'.join(ENTRY))
     names = args.only.split(',')
@@ -269,7 +279,7 @@ def main():
         os.environ.setdefault('MASTER_ADDR', '127.0.0.1'); os.environ.setdefault('MASTER_PORT', '29517')
         torch.distributed.init_process_group('gloo', rank=0, world_size=1)
     start = time.perf_counter()
-    rows = sweep(names, args.quick)
+    rows = sweep(names, args.quick, lines=not args.no_lines)
     total = sum(m for m,_,_ in rows.values())
     failing = {k:v for k,v in rows.items() if v[1]}
     lock_only = sum(1 for _,b,_ in rows.values() for x in b if [w for w in x[-2 if len(x) == 4 and isinstance(x[-1], str) else -1] if w != 'learn.lock held'] == [])
