@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 from fastai.basics import Learner, patch, L
 from .policy import always_fp32, cast_summary, kept_tops, keeps_fp32, check_castable, KeptFor
-from .cast import as_16bit_dtype, ModelCast, cast_floats
+from .cast import as_16bit_dtype, ModelCast, cast_floats, cast_holding
 from .scaler import LossScaler
 from .callback import MasterMixedPrecision
 from .distributed import world_size
@@ -481,6 +481,7 @@ class _Untouched:
         # `training`, plain attributes (an RNN's hidden state); the learner's (`pred`, `xb`) and its callbacks'
         self.vars = [(o, dict(vars(o))) for o in [*self.model.modules(), self.learn, *self.learn.cbs]]
         self.hooks = [(d, dict(d)) for m in self.model.modules() for d in _hook_dicts(m)] # (what they hold: the probe's go, whatever cut its close short)
+        self.casts = {id(m):cast_holding(m) for m in self.model.modules()} # (the casts holding the modules: none, outside a fit)
         self.bufs = [(m, k, b, b.clone()) for m in self.model.modules() for k,b in m._buffers.items() if b is not None]
         self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
                     torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
@@ -490,6 +491,9 @@ class _Untouched:
     def __exit__(self, *exc): until_done(self._restore) # (a second Ctrl-C cannot leave half of it undone)
 
     def _restore(self) -> None: # (idempotent)
+        for m in self.model.modules(): # a cast the probe registered and a Ctrl-C kept from closing (before its close's first line) lets go
+            held = cast_holding(m)
+            if held is not None and held is not self.casts.get(id(m)): held.restore()
         _set_attrs(self.vars) # the same objects as before: `_parameters`, `_buffers`, hook dicts, ...
         for d,held in self.hooks:
             if d != held: d.clear(); d.update(held)

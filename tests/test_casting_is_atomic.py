@@ -192,3 +192,17 @@ def test_a_ctrl_c_while_a_fit_takes_the_model_leaves_it_free(line):
     assert all(cast_holding(m) is None for m in learn.model.modules())
     assert_fp32_and_intact(learn)
     learn.fit(1, 1e-3) # (the model is free for the next fit)
+
+def test_a_ctrl_c_before_the_precision_reports_close_leaves_nothing_registered():
+    # (at the first line of the `until_done` that closes the probe: its close never started; the report's restore of what
+    # it measured lets the probe's cast go)
+    def local(frame, event, arg):
+        if event == 'line' and frame.f_code.co_name == 'until_done' and frame.f_back.f_code.co_name == '_report' \
+           and linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip().startswith('interrupted = None'):
+            raise KeyboardInterrupt('as the probe closes')
+        return local
+    learn = synth_learner().to_mixed(torch.bfloat16)
+    with pytest.raises(KeyboardInterrupt), traced(lambda frame, event, arg: local if frame.f_code.co_name == 'until_done' else None):
+        learn.precision_report(n_batches=1)
+    assert all(cast_holding(m) is None for m in learn.model.modules())
+    assert_fp32_and_intact(learn)

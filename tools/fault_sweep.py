@@ -100,6 +100,7 @@ def not_at_rest(learn, before:dict, completed:bool) -> list: # What is wrong, a 
     if mixed not in ((True, True, True), (False, False, learn.opt is None)): bad.append(f'half mixed (callback, opt_func, optimizer): {mixed}')
     if not completed:
         same = learn.opt is before['opt'] or getattr(learn.opt, 'opt', None) is before['opt'] or learn.opt is getattr(before['opt'], 'opt', None)
+        same = same or (learn.opt is not None and getattr(learn.opt, 'opt', None) is getattr(before['opt'], 'opt', False)) # (to_mixed over to_mixed: a new wrapper of the same optimizer)
         sharded = fsdp_sharded(learn.model) # (the sweep's learners start unsharded; a sharded fit's sharding is whole: the shards' optimizer, checked above)
         if not same and not sharded: bad.append('the optimizer was replaced') # (to_mixed/to_unmixed completed: it wraps or unwraps the same one)
         if list(learn.dls.loaders) != before['loaders'] or not all(len(l) for l in learn.dls.loaders if hasattr(l, '__len__')): bad.append('the DataLoaders changed')
