@@ -8,8 +8,7 @@ from fastai.data.core import DataLoader
 import mpcallbacks.all # noqa: F401
 OLD_TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14) # see the supported page's limits
 
-pytestmark = [pytest.mark.skipif(OLD_TORCH, reason="torch.compile with to_mixed is tested on torch 2.14 and newer"),
-              pytest.mark.cpu_rules()] # (what dynamo traces on the CPU itself: the emulation's torch-function mode would be traced too)
+pytestmark = pytest.mark.skipif(OLD_TORCH, reason="torch.compile with to_mixed is tested on torch 2.14 and newer") # (under CUDA's rules, as every test)
 
 def dls():
     g = torch.Generator().manual_seed(0)
