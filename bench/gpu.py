@@ -13,8 +13,8 @@ c. The throughput table: ResNet-50 at 224 px and a small GPT (6 layers, d_model 
    32,000, `nn.LayerNorm`, causal `F.scaled_dot_product_attention`) on synthetic data already on the GPU, in FP32, fastai's
    `to_fp16()`, fastai's `to_bf16()` (autocast in bfloat16, no scaler), `to_mixed(torch.float16)` and
    `to_mixed(torch.bfloat16)`, all with torch's fused AdamW, plus fastai's own Adam for `to_fp16()` and
-   `to_mixed(torch.float16)`. For each: images or tokens per second (the median of timed windows after a warm-up,
-   synchronized at the window ends), the peak memory at one batch size, the largest batch that fits (predicted by a line
+   `to_mixed(torch.float16)`. For each: images or tokens per second (the median of the timed windows, after a
+   warm-up, of two fits: the configs in order, then in reverse; synchronized at the window ends), the peak memory at one batch size, the largest batch that fits (predicted by a line
    through the peaks at two batch sizes against the memory the allocator can reach, confirmed by at most two probes),
    host syncs per training step beyond FP32's (CUDA's sync debug mode, and `count_syncs`' rule), and the energy per
    1,000 images or 100,000 tokens from NVML's total energy counter. FP32 runs with TF32 off (every config does).
@@ -45,7 +45,8 @@ import torch, torchvision
 import torch.nn.functional as F
 from torch import nn
 import fastai
-from fastai.basics import Learner, Callback, DataLoader, DataLoaders, CrossEntropyLossFlat, CancelTrainException, CancelValidException
+from functools import partial
+from fastai.basics import OptimWrapper, Learner, Callback, DataLoader, DataLoaders, CrossEntropyLossFlat, CancelTrainException, CancelValidException
 import fastai.callback.fp16 # to_fp16, to_bf16
 from mpcallbacks.all import * # Learner.to_mixed
 from mpcallbacks.test_utils import count_syncs
@@ -147,22 +148,30 @@ class SkipValidation(Callback):
 configs = ('FP32', 'fastai to_fp16()', 'fastai to_bf16()', 'to_mixed(float16)', 'to_mixed(bfloat16)')
 rows_order = [(c, 'fused') for c in configs] + [('fastai to_fp16()', 'adam'), ('to_mixed(float16)', 'adam')] # (config, optimizer key)
 
-def setup_config(learn:Learner, config:str) -> Learner:
-    "`learn` in `config`, one of `configs`"
+def setup_config(learn:Learner, config:str, init_scale:float|None=None) -> Learner:
+    "`learn` in `config`, one of `configs`; a float16 config's loss scale starts at `init_scale` (None: its default, 2^16)"
+    kw = {} if init_scale is None else dict(init_scale=init_scale)
     if config == 'FP32': return learn
-    if config == 'fastai to_fp16()': return learn.to_fp16()
+    if config == 'fastai to_fp16()': return learn.to_fp16(**kw)
     if config == 'fastai to_bf16()': return learn.to_bf16()
-    if config == 'to_mixed(float16)': return learn.to_mixed(torch.float16)
+    if config == 'to_mixed(float16)': return learn.to_mixed(torch.float16, **kw)
     if config == 'to_mixed(bfloat16)': return learn.to_mixed(torch.bfloat16)
     raise ValueError(f"config must be one of {configs}, got {config!r}")
 
-def make_learner(w:Workload, config:str, opt:str, bs:int, n_batches:int, device) -> Learner:
-    "A learner of `w` in `config` with the optimizer `opt` (a key of `adam_optimizers`), on `n_batches` copies of one batch of `bs`"
+def make_learner(w:Workload, config:str, opt:str, bs:int, n_batches:int, device, init_scale:float|None=None) -> Learner:
+    "A learner of `w` in `config` (float16's loss scale from `init_scale`) with the optimizer `opt` (a key of `adam_optimizers`), on `n_batches` copies of one batch of `bs`"
     if opt not in adam_optimizers: raise ValueError(f"opt must be one of {list(adam_optimizers)}, got {opt!r}")
     xb,yb = w.make_batch(bs, device)
     learn = Learner(same_batch_dls(xb, yb, n_batches), w.make_model().to(device), loss_func=CrossEntropyLossFlat(),
                     opt_func=adam_optimizers[opt][1], cbs=SkipValidation())
-    return setup_config(learn, config)
+    return setup_config(learn, config, init_scale)
+
+def loss_scale_of(learn:Learner) -> float|None:
+    "The loss scale `learn`'s float16 config has reached inside a fit: `to_mixed`'s, or the `GradScaler` of fastai's `to_fp16()`; None: no loss scaling"
+    cb = getattr(learn, 'master_mixed_precision', None)
+    if cb is not None: return cb.loss_scale if cb.dtype == torch.float16 else None
+    scaler = getattr(learn, 'scaler', None) # (fastai's, during a fit)
+    return scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
 
 # ---- the device's state between measurements
 
@@ -270,7 +279,7 @@ class Windows(Callback):
     def __init__(self, warmup:int, window:int, n_windows:int, energy:Energy):
         if warmup < 1 or window < 1 or n_windows < 1: raise ValueError(f"warmup, window and n_windows must be >= 1, got {warmup}, {window}, {n_windows}")
         self.warmup,self.window,self.n_windows,self.energy = warmup,window,n_windows,energy
-        self.marks,self.joules = [],[]
+        self.marks,self.joules,self.scale = [],[],None
     def after_batch(self):
         if not self.training: return
         done = self.iter + 1 - self.warmup
@@ -278,7 +287,9 @@ class Windows(Callback):
         sync(self.dls.device)
         self.marks.append(time.perf_counter())
         self.joules.append(self.energy.read())
-        if len(self.marks) == self.n_windows + 1: raise CancelTrainException()
+        if len(self.marks) == self.n_windows + 1:
+            self.scale = loss_scale_of(self.learn) # (where float16's loss scale came to: the short fits start there)
+            raise CancelTrainException()
 
 class Sizes(NamedTuple):
     warmup: int # untimed batches first
@@ -286,6 +297,7 @@ class Sizes(NamedTuple):
     n_windows: int
     sync_steps: tuple # the two fits' training steps whose host syncs are counted: per step is their difference
     probes: int # at most this many probes of the largest batch
+    passes: int = 2 # throughput fits per config, the configs in order then in reverse (A B C, C B A), their windows pooled
 
 # default: on an H100 about 45 training batches of ResNet-50 per config (13 s in FP32 without TF32, 3 s in 16 bits)
 sizes_for = {'default': Sizes(5, 8, 5, (2, 5), 2), 'quick': Sizes(3, 4, 3, (2, 4), 2), 'smoke': Sizes(1, 1, 2, (1, 2), 2)}
@@ -301,15 +313,24 @@ def measure_throughput(w:Workload, config:str, opt:str, device, sizes:Sizes, ene
     joules = None if meter.joules[0] is None else meter.joules[-1] - meter.joules[0]
     res = dict(rate=statistics.median(rates), windows=rates, timed_s=meter.marks[-1] - meter.marks[0],
                peak_MiB=None if peak_bytes(device) is None else peak_bytes(device) / MiB,
-               energy_per=None if joules is None else joules / (units * len(rates)) * w.per)
+               energy_per=None if joules is None else joules / (units * len(rates)) * w.per, scale_after=meter.scale)
     del learn
     release(device)
     return res
 
-def measure_peak(w:Workload, config:str, opt:str, bs:int, device) -> float|None:
+def pool_passes(passes:list) -> dict:
+    "One row's throughput from its fits: the median of all their windows, the largest peak, the mean energy, the last loss scale"
+    windows = [x for p in passes for x in p['windows']]
+    energies = [p['energy_per'] for p in passes if p['energy_per'] is not None]
+    peaks = [p['peak_MiB'] for p in passes if p['peak_MiB'] is not None]
+    return dict(rate=statistics.median(windows), windows=windows, pass_rates=[p['rate'] for p in passes], timed_s=sum(p['timed_s'] for p in passes),
+                peak_MiB=max(peaks) if peaks else None, energy_per=statistics.mean(energies) if energies else None,
+                scale_after=passes[-1]['scale_after'])
+
+def measure_peak(w:Workload, config:str, opt:str, bs:int, device, init_scale:float|None=None) -> float|None:
     "The peak memory (MiB) of two training steps at batch `bs` (the second has the optimizer's state); None: not a CUDA device"
     release(device)
-    learn = make_learner(w, config, opt, bs, 2, device)
+    learn = make_learner(w, config, opt, bs, 2, device, init_scale)
     with quiet(learn): learn.fit(1, LR)
     res = None if peak_bytes(device) is None else peak_bytes(device) / MiB
     del learn
@@ -332,20 +353,20 @@ def cuda_sync_warnings(device):
             torch.cuda.set_sync_debug_mode(before)
             box['n'] = sum('synchroniz' in str(c.message) for c in caught)
 
-def count_fit_syncs(w:Workload, config:str, opt:str, steps:int, device) -> dict:
+def count_fit_syncs(w:Workload, config:str, opt:str, steps:int, device, init_scale:float|None=None) -> dict:
     "Host syncs of one fit of `steps` training batches: by `count_syncs`' rule, and by CUDA's sync debug mode where CUDA"
     release(device)
-    learn = make_learner(w, config, opt, w.bs_syncs, steps, device)
+    learn = make_learner(w, config, opt, w.bs_syncs, steps, device, init_scale)
     with quiet(learn), count_syncs() as counts, cuda_sync_warnings(device) as cuda:
         learn.fit(1, LR)
     del learn
     release(device)
     return dict(rule=sum(counts.values()), cuda=cuda['n'])
 
-def syncs_per_step(w:Workload, config:str, opt:str, device, steps:tuple) -> dict:
+def syncs_per_step(w:Workload, config:str, opt:str, device, steps:tuple, init_scale:float|None=None) -> dict:
     "Per training step and per fit, from two fits of `steps[0]` and `steps[1]` batches: per step is the difference over the steps between"
     (n1,n2),res = steps,{}
-    a,b = count_fit_syncs(w, config, opt, n1, device),count_fit_syncs(w, config, opt, n2, device)
+    a,b = count_fit_syncs(w, config, opt, n1, device, init_scale),count_fit_syncs(w, config, opt, n2, device, init_scale)
     for k in ('rule', 'cuda'):
         if a[k] is None: res[k] = None; continue
         per_step = (b[k] - a[k]) / (n2 - n1)
@@ -378,12 +399,12 @@ def largest_batch(
         plan.append(nxt)
     return res
 
-def fits_in_memory(w:Workload, config:str, opt:str, bs:int, device) -> tuple: # (True/False/None, note)
+def fits_in_memory(w:Workload, config:str, opt:str, bs:int, device, init_scale:float|None=None) -> tuple: # (True/False/None, note)
     "Whether two training steps at batch `bs` run: any allocation error (CUDA's, cuDNN's, cuBLAS's) is 'does not fit'"
     release(device)
     learn,outcome = None,None
     try:
-        learn = make_learner(w, config, opt, bs, 2, device)
+        learn = make_learner(w, config, opt, bs, 2, device, init_scale)
         with quiet(learn): learn.fit(1, LR)
         outcome = (True, f"peak {peak_bytes(device) / MiB:.0f} MiB" if peak_bytes(device) is not None else '')
     except Exception as e: outcome = (False, short(e, 120)) if is_allocation_error(e) else (None, short(e))
@@ -488,12 +509,30 @@ def check_fused_step_no_sync(device) -> str:
     if steps != 3: raise AssertionError(f"{steps} steps recorded, not 3")
     return "batches 2-3 of 3, before_batch to after_step (forward, loss, backward, fused step), in mode 'error': no sync"
 
+def check_fused_sgd_after_skips(device) -> str:
+    "torch's fused SGD with momentum, float16 from a loss scale whose first steps overflow: the weights its foreach step reaches, finite"
+    x,y = torch.randn(16, 3, 8, 8, device=device, generator=torch.Generator(device).manual_seed(0)),torch.arange(16, device=device) % 4
+    got = {}
+    for kind in ('fused', 'foreach'):
+        opt_func = partial(OptimWrapper, opt=partial(torch.optim.SGD, momentum=0.9, **{kind: True}))
+        learn = Learner(same_batch_dls(x, y, 12), _norm_model().to(device), loss_func=CrossEntropyLossFlat(), opt_func=opt_func,
+                        cbs=SkipValidation()).to_mixed(torch.float16, init_scale=2.**24)
+        with quiet(learn): learn.fit(1, 1e-2)
+        got[kind] = (torch.cat([p.detach().float().flatten() for p in learn.model.parameters()]), learn.master_mixed_precision.skipped)
+    (a,skipped),(b,_) = got['fused'],got['foreach']
+    if not skipped: raise AssertionError('no step was skipped: not what this checks')
+    if not torch.isfinite(a).all(): raise AssertionError(f"non-finite weights after {skipped} skipped steps of 12")
+    diff = (a - b).abs().max().item()
+    if diff > 1e-5: raise AssertionError(f"fused and foreach SGD differ by up to {diff:.2e} after {skipped} skipped steps of 12")
+    return f"{skipped} of 12 steps skipped; weights finite, max |fused - foreach| = {diff:.1e}"
+
 def run_preflight(device) -> list:
     "Every check, each PASS, FAIL (with its error) or SKIP; none stops the run"
     device = torch.device(device)
     checks = [('LayerNorm and GroupNorm in FP32, float16 input', lambda: check_norms(device, torch.float16)),
               ('LayerNorm and GroupNorm in FP32, bfloat16 input', lambda: check_norms(device, torch.bfloat16)),
               ('LSTM, one float16 step', lambda: check_lstm(device)),
+              ('fused SGD with momentum after skipped float16 steps', lambda: check_fused_sgd_after_skips(device)),
               ("fused AdamW float16 steps under set_sync_debug_mode('error')",
                (lambda: check_fused_step_no_sync(device)) if device.type == 'cuda' else None)]
     rows = []
@@ -574,22 +613,36 @@ def _run_table(device, smoke:bool, sizes:Sizes, budget:Budget, models:tuple, row
             with budget.timed(f'syncs {key}'):
                 try: baseline[opt] = syncs_per_step(w, 'FP32', opt, device, sizes.sync_steps)
                 except Exception as e: log(f"{w.name}: FP32 syncs with {opt}: {short(e)}")
-        for config,opt in rows_order:
-            row = dict(model=w.name, key=key, unit=w.unit, per=w.per, config=config, opt=adam_optimizers[opt][0], opt_key=opt,
-                       bs=w.bs, bs_small=w.bs_small, bs_syncs=w.bs_syncs, units_per_sample=w.units_per_sample, errors={}, skipped=[],
-                       energy_note=energy.why)
-            rows.append(row)
-            for phase,kind in (('throughput', f'throughput {key}'), ('peak_small', f'peak {key}'), ('syncs', f'syncs {key}')):
+        group = [dict(model=w.name, key=key, unit=w.unit, per=w.per, config=config, opt=adam_optimizers[opt][0], opt_key=opt,
+                     bs=w.bs, bs_small=w.bs_small, bs_syncs=w.bs_syncs, units_per_sample=w.units_per_sample, errors={}, skipped=[],
+                     energy_note=energy.why, passes=[]) for config,opt in rows_order]
+        rows.extend(group)
+        for i in range(sizes.passes): # the throughputs, interleaved: in order, then in reverse, ...
+            for row in (group if i % 2 == 0 else group[::-1]):
+                kind = f"throughput {key}"
+                if 'throughput' in row['errors']: continue
+                if not budget.allows(kind):
+                    if 'throughput' not in row['skipped'] and not row['passes']: row['skipped'].append('throughput')
+                    continue
+                try:
+                    with budget.timed(kind): row['passes'].append(measure_throughput(w, row['config'], row['opt_key'], device, sizes, energy))
+                except Exception as e:
+                    row['errors']['throughput'] = ('does not fit at batch size: ' if is_allocation_error(e) else '') + f"{short(e)} (at {raised_at(e)})"
+                    release(device)
+        for row in group:
+            passes = row.pop('passes')
+            if passes: row.update(pool_passes(passes))
+            config,opt = row['config'],row['opt_key']
+            for phase,kind in (('peak_small', f'peak {key}'), ('syncs', f'syncs {key}')):
                 if phase == 'peak_small' and device.type != 'cuda': continue
                 if not budget.allows(kind):
                     row['skipped'].append(phase)
                     continue
                 try:
                     with budget.timed(kind):
-                        if phase == 'throughput': row.update(measure_throughput(w, config, opt, device, sizes, energy))
-                        elif phase == 'peak_small': row['peak_small_MiB'] = measure_peak(w, config, opt, w.bs_small, device)
+                        if phase == 'peak_small': row['peak_small_MiB'] = measure_peak(w, config, opt, w.bs_small, device, row.get('scale_after'))
                         else:
-                            mine = syncs_per_step(w, config, opt, device, sizes.sync_steps)
+                            mine = syncs_per_step(w, config, opt, device, sizes.sync_steps, row.get('scale_after'))
                             row['syncs'] = mine
                             row['syncs_extra'] = {k:None if mine[k] is None or baseline.get(opt, {}).get(k) is None else
                                                   dict(per_step=mine[k]['per_step'] - baseline[opt][k]['per_step'],
@@ -617,7 +670,7 @@ def _run_table(device, smoke:bool, sizes:Sizes, budget:Budget, models:tuple, row
             row['skipped'].append('largest batch')
             continue
         release(device)
-        fits = lambda n, row=row, w=w: fits_in_memory(w, row['config'], row['opt_key'], n, device)
+        fits = lambda n, row=row, w=w: fits_in_memory(w, row['config'], row['opt_key'], n, device, row.get('scale_after'))
         try:
             with budget.timed(kind):
                 row['largest'] = largest_batch(fits, [(w.bs, row['peak_MiB']), (w.bs_small, row['peak_small_MiB'])], capacity_MiB(device),
@@ -691,8 +744,9 @@ def throughput_section(rows:list, heading:str='#### c. Throughput, memory, host 
         "Synthetic data already on the device: one batch, repeated. Every config steps with torch's fused AdamW "
         "(`partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))`), and `fastai to_fp16()` and `to_mixed(float16)` "
         "with fastai's `Adam` too: with it `to_mixed` steps through torch's fused kernel on fastai's state, while FP32 and "
-        "`to_fp16()` run fastai's per-parameter loop, so the fused AdamW rows are the like-for-like comparison. Throughput: one fit per config, the median of its timed windows after the warm-up "
-        "batches, the device synchronized at each window's end (configs one after another). Peak: "
+        "`to_fp16()` run fastai's per-parameter loop, so the fused AdamW rows are the like-for-like comparison. Throughput: two fits per config, the configs of a model in "
+        "order and then in reverse, the median of all their timed windows after each fit's warm-up batches, the device "
+        "synchronized at each window's end. A target on a ratio is met when the ratio, rounded to two decimals, reaches it. Peak: "
         "`torch.cuda.max_memory_allocated` over a fit at the batch size shown, from `reset_peak_memory_stats`. Largest batch: "
         "the line through the peaks at two batch sizes against the memory the allocator can reach (free plus held), "
         "then probes of two training steps at 95% of the prediction and at it (80% if 95% did not fit); any allocation "
@@ -700,7 +754,10 @@ def throughput_section(rows:list, heading:str='#### c. Throughput, memory, host 
         "Syncs beyond FP32 (same optimizer): per training step / per fit, from two fits of different lengths; CUDA = "
         "the syncs `torch.cuda.set_sync_debug_mode('warn')` reports on the main thread; rule = "
         "`mpcallbacks.test_utils.count_syncs` (which counts a read of pinned host memory as a sync). Energy: NVML's "
-        "total energy counter read at the first and last window's end.")]
+        "total energy counter read at the first and last window's end. The short fits (the peak at the smaller batch, the "
+        "syncs' fits, the probes) of a float16 config start its loss scale where its timed fit's had come to (`scale_after` "
+        "in the JSON), so that their steps are taken as in a run past its first steps: from 2^16, a two-step ResNet-50 "
+        "fit skips both.")]
     for key in dict.fromkeys(r['key'] for r in rows):
         rs = [r for r in rows if r['key'] == key]
         w0 = rs[0]

@@ -17,12 +17,12 @@ def test_gpu_modules_do_not_import_the_runner():
 
 def test_smoke_run_measures_every_config_and_writes_the_table(tmp_path, capsys):
     res = gpu.main(['--smoke', '--no-tests', '--device', 'cpu', '--out', str(tmp_path)])
-    assert [p['status'] for p in res['preflight']] == ['PASS', 'PASS', 'PASS', 'SKIP'], res['preflight'] # (the sync debug mode needs CUDA)
+    assert [p['status'] for p in res['preflight']] == ['PASS', 'PASS', 'PASS', 'PASS', 'SKIP'], res['preflight'] # (the sync debug mode needs CUDA)
     rows = res['rows']
     assert [(r['key'], r['config'], r['opt_key']) for r in rows] == [(k, c, o) for k in ('resnet', 'gpt') for c,o in rows_order]
     for r in rows:
         assert not r['errors'] and not r['skipped'], r
-        assert r['rate'] > 0 and len(r['windows']) == res['sizes']['n_windows']
+        assert r['rate'] > 0 and len(r['windows']) == res['sizes']['n_windows'] * res['sizes']['passes'] == len(r['pass_rates']) * res['sizes']['n_windows']
         assert r['syncs']['cuda'] is None and r['syncs']['rule']['per_step'] >= 0 # (CUDA's own count needs CUDA)
         assert set(r['syncs_extra']) == {'rule', 'cuda'} and r['syncs_extra']['rule'] is not None
         assert r['peak_MiB'] is None and 'no CUDA memory statistics' in r['largest']['note'] and r['energy_per'] is None
@@ -106,6 +106,34 @@ def test_a_probe_that_runs_out_of_memory_is_no_fit_and_leaves_no_autocast_behind
     assert fits_in_memory(w, 'FP32', 'fused', 8, 'cpu')[0] is True
     leave_autocast()
 
+class Loud(nn.Module):
+    "A linear layer whose output is multiplied by 2^12: at float16's first loss scale (2^16) its gradients overflow"
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3 * 8 * 8, 10)
+    def forward(self, x): return self.lin(x.flatten(1)) * 2.**12
+
+def test_the_short_fits_of_a_float16_config_start_at_the_loss_scale_its_timed_fit_came_to():
+    "Two steps from 2^16 are both skipped where gradients are large (ResNet-50 on an H200), and to_mixed raises for a fit that learned nothing: the short fits start where the timed fit's scale came to"
+    w = Workload('stand-in', 'images', 1000, Loud, image_batch(8, 10), 1, 8, 4, 4, 64)
+    sizes = gpu.Sizes(20, 2, 2, (2, 4), 2) # (20 warm-up steps: the scale halves down to one that fits)
+    scales = {}
+    for config in ('to_mixed(float16)', 'fastai to_fp16()'):
+        res = gpu.measure_throughput(w, config, 'fused', 'cpu', sizes, gpu.Energy('cpu'))
+        if config == 'fastai to_fp16()' and not torch.cuda.is_available(): # (fastai's GradScaler is torch.amp's for 'cuda': off without CUDA)
+            assert res['scale_after'] is None
+            continue
+        scales[config] = scale = res['scale_after']
+        assert scale is not None and scale < 2.**16, scale
+        learn = gpu.make_learner(w, config, 'fused', 4, 2, 'cpu', scale)
+        assert (learn.master_mixed_precision.loss_scale if config == 'to_mixed(float16)' else learn.mixed_precision.kwargs['init_scale']) == scale
+    scale = scales['to_mixed(float16)']
+    with pytest.raises(FloatingPointError, match='All 2 optimizer steps'): gpu.measure_peak(w, 'to_mixed(float16)', 'fused', 4, 'cpu')
+    assert gpu.measure_peak(w, 'to_mixed(float16)', 'fused', 4, 'cpu', scale) is None # (CPU: no peak, and no error)
+    assert gpu.syncs_per_step(w, 'to_mixed(float16)', 'fused', 'cpu', (2, 4), scale)['rule']['per_step'] >= 0
+    assert fits_in_memory(w, 'to_mixed(float16)', 'fused', 4, 'cpu', scale)[0] is True
+    assert fits_in_memory(w, 'to_mixed(float16)', 'fused', 4, 'cpu')[0] is None # (from 2^16: an error that is not memory)
+
 def test_leave_autocast_is_harmless_with_no_autocast_entered():
     leave_autocast()
     assert not torch.is_autocast_enabled('cpu') and torch.autocast_increment_nesting() == 1
@@ -170,3 +198,18 @@ def test_section_5_formats_the_gpu_table():
     assert '### 5. CUDA throughput' in text and '| to_mixed(float16) | fused AdamW | 2,500 | **2.50x** |' in text
     assert '1896 (predicted 2000; 1896 fits)' in text
     assert "| ResNet-50: to_mixed(float16) >= 2x FP32 (TF32 off), fused AdamW | 2.50x (ResNet-50) | yes |" in text
+
+def test_the_throughput_fits_are_interleaved_and_pooled(monkeypatch):
+    "Configs in order, then in reverse (A B C, C B A): a drift of the device's clocks falls on every config alike; the windows of both fits pooled"
+    order = []
+    def fake(w, config, opt, device, sizes, energy):
+        order.append((config, opt))
+        n = len(order)
+        return dict(rate=float(n), windows=[float(n)] * sizes.n_windows, timed_s=1., peak_MiB=None, energy_per=None, scale_after=None)
+    monkeypatch.setattr(gpu, 'measure_throughput', fake)
+    monkeypatch.setattr(gpu, 'syncs_per_step', lambda *a, **k: dict(rule=None, cuda=None))
+    rows = gpu.run_table('cpu', smoke=True, models=('resnet',))
+    n = len(rows_order)
+    assert order == list(rows_order) + list(rows_order)[::-1]
+    assert [r['pass_rates'] for r in rows] == [[i + 1., 2 * n - i] for i in range(n)]
+    assert all(r['rate'] == (n + 0.5) and len(r['windows']) == 2 * gpu.sizes_for['smoke'].n_windows for r in rows) # (the median of both fits' windows)
