@@ -744,8 +744,8 @@ def throughput_section(rows:list, heading:str='#### c. Throughput, memory, host 
         "Synthetic data already on the device: one batch, repeated. Every config steps with torch's fused AdamW "
         "(`partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))`), and `fastai to_fp16()` and `to_mixed(float16)` "
         "with fastai's `Adam` too: with it `to_mixed` steps through torch's fused kernel on fastai's state, while FP32 and "
-        "`to_fp16()` run fastai's per-parameter loop, so the fused AdamW rows are the like-for-like comparison. Throughput: two fits per config, the configs of a model in "
-        "order and then in reverse, the median of all their timed windows after each fit's warm-up batches, the device "
+        "`to_fp16()` run fastai's per-parameter loop, so the fused AdamW rows are the like-for-like comparison. Throughput: the fits per config the first paragraph gives, "
+        "the configs of a model in order, then in reverse, and so on; the median of all their timed windows after each fit's warm-up batches, the device "
         "synchronized at each window's end. A target on a ratio is met when the ratio, rounded to two decimals, reaches it. Peak: "
         "`torch.cuda.max_memory_allocated` over a fit at the batch size shown, from `reset_peak_memory_stats`. Largest batch: "
         "the line through the peaks at two batch sizes against the memory the allocator can reach (free plus held), "
@@ -804,11 +804,14 @@ def environment(device) -> dict:
 def run_gpu(device, smoke:bool=False, quick:bool=False, budget_s:float=400., tests:bool=True, models:tuple=('resnet', 'gpt'),
             start:float|None=None, # When the budget's time began (`time.perf_counter()`); None: now
             out_dir:Path|None=None, # Where the results so far are written after each phase and row (a run stopped from outside leaves them)
+            passes:int|None=None, # Throughput fits per config (None: the sizes' own)
+            windows:int|None=None, # Timed windows per throughput fit (None: the sizes' own)
            ) -> dict:
     "Preflight, the CUDA-only tests, the throughput table, the targets: everything `main` writes"
     device = torch.device(device)
     budget = Budget(budget_s, time.perf_counter() if start is None else start)
     sizes = sizes_for['smoke' if smoke else 'quick' if quick else 'default']
+    sizes = sizes._replace(**{k:v for k,v in (('passes', passes), ('n_windows', windows)) if v is not None})
     phases = {}
     env = environment(device)
     env['tf32_found'] = tf32_settings()
@@ -855,7 +858,7 @@ def gpu_markdown(res:dict) -> str:
             f"{where}; torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']}), fastai {env['fastai']}, Python {env['python']}; {env['date']}. "
             f"TF32 as found: {', '.join(f'{k}={v}' for k,v in env['tf32_found'].items())}; **every config ran with TF32 off** "
             f"({', '.join(f'{k}={v}' for k,v in env['tf32_used'].items())}), so FP32 is true FP32. cudnn.benchmark={env['cudnn_benchmark']}. "
-            f"{s['warmup']} warm-up batches, then {s['n_windows']} timed windows of {s['window']} batches"
+            f"{s['warmup']} warm-up batches, then {s['n_windows']} timed windows of {s['window']} batches, in each of {s['passes']} fits per config"
             f"{' (--quick)' if res['quick'] else ''}. Run time {ph['total']:.0f} s of a {res['budget_s']:.0f} s budget "
             f"(preflight {secs('preflight')}, tests {secs('tests')}, table {secs('table')})."
             + ('' if res['complete'] else " **Incomplete: the run had not reached its end when this was written; what follows is what it had measured.**")
@@ -885,7 +888,11 @@ def main(argv:list|None=None, start:float|None=None) -> dict: # start: when the 
     ap.add_argument('--no-tests', action='store_true', help='leave out the CUDA-only tests (b)')
     ap.add_argument('--device', default=None, help="'cuda', 'cuda:N' or (with --smoke) 'cpu'; default: cuda if present, else cpu for --smoke")
     ap.add_argument('--models', default='resnet,gpt', help="comma-separated, of: resnet, gpt")
+    ap.add_argument('--passes', type=int, default=None, help='throughput fits per config, interleaved: in order, in reverse, ... (default 2)')
+    ap.add_argument('--windows', type=int, default=None, help='timed windows per throughput fit (default 5; --quick 3)')
     args = ap.parse_args(argv)
+    for k in ('passes', 'windows'):
+        if getattr(args, k) is not None and getattr(args, k) < 1: ap.error(f"--{k} must be a positive whole number, got {getattr(args, k)}")
     if not args.budget_s > 0: ap.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
     models = tuple(m for m in args.models.split(',') if m)
     if not models or set(models) - {'resnet', 'gpt'}: ap.error(f"--models takes resnet and/or gpt, comma-separated, got {args.models!r}")
@@ -899,7 +906,7 @@ def main(argv:list|None=None, start:float|None=None) -> dict: # start: when the 
                  f"{torch.cuda.is_available()}, --device {args.device}). `python -m bench.gpu --smoke` runs its tiny sizes on the CPU.")
     out_dir = Path(args.out) if args.out else results_dir if not args.smoke else Path(tempfile.mkdtemp(prefix='bench-gpu-smoke-'))
     res = run_gpu(device, smoke=args.smoke, quick=args.quick, budget_s=args.budget_s, tests=not args.no_tests, models=models, start=start,
-                  out_dir=out_dir)
+                  out_dir=out_dir, passes=args.passes, windows=args.windows)
     md,js = write_results(res, out_dir)
     print(js.read_text(), flush=True)
     print('\n' + md.read_text(), flush=True) # (last: the end of the output is what a short log shows)
