@@ -93,7 +93,6 @@ class InFlightFlag:
 # %% ../nbs/01_scaler.ipynb #0172ec28
 _skips_at_floor = 25 # The default limit's margin: skips in a row at `min_scale` before the scaler gives up
 _max_growth = 2.**16 # The largest growth_factor
-_read_only_check = 2**16 # Gradients this large are checked by a read alone when the scale is 1 (a sum: measured 5.0 ms against 7.0 for the fused unscale's read and write, 16.8M FP32 gradients, one thread)
 
 class LossScaler:
     "Loss scale with the dynamic rule of `torch.amp.GradScaler`, a floor, and a limit on consecutive skips"
@@ -212,22 +211,20 @@ class LossScaler:
         if not isinstance(scale, Tensor): _check_scale('scale', scale) # set out of range by hand, 1/scale would turn the gradients inf or NaN unflagged
         # The reciprocal is taken in float64 so that it is exact for every power-of-two scale, then stored as float32.
         inv = float(np.float32(1./scale)) if not isinstance(scale, Tensor) else (1./self._on_device[0]).float()
-        # A scale of 1 (bfloat16's): nothing to divide, so a large gradient is only read, by its sum (non-finite exactly
-        # when an element is inf or NaN, or when the sum itself overflows FP32, elements of about 1e31 and more)
-        read_only = not isinstance(inv, Tensor) and inv == 1
-        by_device = {} # device -> (gradients the fused kernel unscales and checks, large ones only read)
+        # Every gradient goes through torch's fused kernel, also at a scale of 1 (bfloat16's), where it only checks: on an
+        # H200 it checks a 52M-parameter GPT's gradients in 0.16 ms, where a sum per large tensor took 0.78 ms of GPU and
+        # 0.69 ms of host time (its kernel launches), 3.6% of a 21 ms step
+        by_device = {} # device -> the gradients the fused kernel unscales and checks there
         for g in grads: # (one pass: this runs at every step, for every gradient)
             if g.dtype is not torch.float32:
                 raise TypeError("unscale_ takes FP32 gradients: unscaling in 16 bits would flush small gradients to zero")
             if g.is_sparse: g = g._values() # (`nn.Embedding(sparse=True)`'s has no fused kernel of its own: its values, once coalesced, do)
-            fused,read = by_device.get(g.device) or by_device.setdefault(g.device, ([], []))
-            (read if read_only and g.numel() >= _read_only_check else fused).append(g)
+            by_device.setdefault(g.device, []).append(g)
         flags = []
-        for dev,(gs,large) in by_device.items():
-            if large: found = torch.stack([g.sum() for g in large]).isfinite().all().logical_not().float()
-            else: found = torch.zeros((), dtype=torch.float32, device=dev)
+        for dev,gs in by_device.items():
+            found = torch.zeros((), dtype=torch.float32, device=dev)
             inv_dev = inv.to(dev) if isinstance(inv, Tensor) else torch.full((), inv, dtype=torch.float32, device=dev)
-            if gs: torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv_dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv_dev)
             flags.append(found)
         return flags[0] if len(flags)==1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
 
