@@ -12,5 +12,6 @@ def run_cuda_throughput(device, quick:bool=False) -> list:
     with tf32_off(): return run_table(device, sizes=sizes_for['quick' if quick else 'default'])
 
 def cuda_section(rows:list|None) -> str:
-    if rows is None: return '### 5. CUDA throughput\n\nSkipped: no CUDA device here (`python -m bench.gpu` on a GPU machine).'
+    if rows is None: return ('### 5. CUDA throughput\n\nSkipped: no CUDA device here. The last GPU table is in [gpu.md](gpu.md), '
+                             'from `python -m bench.gpu` on a GPU machine.')
     return throughput_section(rows, heading='### 5. CUDA throughput: ResNet-50 and a small GPT (TF32 off)')

@@ -14,6 +14,7 @@ the files say now; `make numbers` saves the fresh outputs (and `make readme` the
 - `bench/results/results.md`, written by `make bench`: `results_md()` parses its sections and tables;
 - `bench/results/install.json`, appended by `tools/measure_install.py --record`: `install_runs()`;
 - `bench/results/suite.json`, written by `tools/measure_suite.py`: `suite()`;
+- `bench/results/gpu.json`, written by `python -m bench.gpu` on a GPU machine: `gpu_results()`;
 - `constraints.txt`, the pinned stack: `pinned()`.
 
 Only the standard library (IPython's `Markdown` where it is installed), so the checker runs it anywhere."""
@@ -33,7 +34,7 @@ except ImportError: # the checker without IPython: the text itself
         def data(self): return str(self)
 
 __all__ = ['ROOT', 'RESULTS', 'REPO', 'SITE', 'Markdown', 'github_anchor', 'Table', 'Section', 'Results', 'results_md',
-           'num', 'link', 'install_runs', 'suite', 'pinned', 'gb', 'minutes', 'plural']
+           'num', 'link', 'install_runs', 'suite', 'gpu_results', 'pinned', 'gb', 'minutes', 'plural']
 
 
 def github_anchor(heading:str) -> str:
@@ -152,6 +153,21 @@ def install_runs(path:Path=RESULTS/'install.json') -> dict:
 def suite(path:Path=RESULTS/'suite.json') -> dict:
     "The last timed run of the test suite, from `tools/measure_suite.py`"
     return json.loads(Path(path).read_text())
+
+
+class GPUResults(dict):
+    "`bench.gpu`'s JSON: `env`, `rows`, `targets`, ..., and `row`/`ratio` to read its table"
+    def row(self, key:str, config:str, opt:str='fused') -> dict:
+        "The row of model `key` ('resnet', 'gpt'), `config` (as the table names it) and optimizer `opt` ('fused', 'adam')"
+        return next(r for r in self['rows'] if r['key'] == key and r['config'] == config and r['opt_key'] == opt)
+    def ratio(self, key:str, a:str, b:str, field:str='rate', opt:str='fused') -> str:
+        "`a`'s `field` over `b`'s, as the table writes ratios ('3.29x')"
+        return f"{self.row(key, a, opt)[field] / self.row(key, b, opt)[field]:.2f}x"
+
+
+def gpu_results(path:Path=RESULTS/'gpu.json') -> GPUResults:
+    "The last GPU table, from `python -m bench.gpu` on a GPU machine"
+    return GPUResults(json.loads(Path(path).read_text()))
 
 
 def pinned(path:Path=ROOT/'constraints.txt') -> dict:
