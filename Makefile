@@ -49,7 +49,7 @@ pytest: $(STAMP)
 # the docs site builds and passes its checks in headless Chromium. The quick checks run first; then nbdev-test, pytest
 # (in a worker per core) and the docs at once, each target's output printed whole when it ends.
 test: sync-check readme-check dist-check numbers-check examples-check
-	$(MAKE) --no-print-directory -j3 --output-sync=target nbtest pytest docs-check
+	$(MAKE) --no-print-directory -j3 --output-sync=target nbtest pytest docs-check examples-run
 
 # The notebooks and the tests on another stack than the pinned one, in a venv of its own (STACK_VENV, .venv-$(STACK) by
 # default; PYTHON makes it), as CI's matrix runs them:
@@ -89,7 +89,7 @@ readme: $(STAMP)
 # when a cell that renders a sentence from them has a stale saved output (`make numbers` saves the fresh one, then make
 # readme), or a number written next to a link into bench/results (or a link named `measured` or `tested`) is not in
 # the text it cites. A few seconds; tools/check_numbers.py says how.
-.PHONY: numbers numbers-check examples-check suite-count
+.PHONY: numbers numbers-check examples-check examples-run suite-count
 numbers: $(STAMP)
 	$(PY) tools/check_numbers.py --fix --rendered-only
 	$(MAKE) --no-print-directory readme
@@ -108,6 +108,12 @@ numbers-check: $(STAMP)
 # or a builtin, not from a hidden import or the page's own exports (tools/check_examples.py). A few seconds.
 examples-check: $(STAMP)
 	$(PY) tools/check_examples.py
+
+# The API pages' shown cells run alone, in order, each page in a fresh Python: what a reader copies works with the
+# imports the page shows (a method fastai patches onto Learner, as fit_one_cycle, needs its module imported). About two
+# minutes of one core.
+examples-run: $(STAMP)
+	$(PY) tools/check_examples.py --run API
 
 # Fails when README.md is not what `make readme` makes of nbs/index.ipynb. A few seconds.
 readme-check: $(STAMP)

@@ -96,7 +96,7 @@ class MasterMixedPrecision(Callback):
         return None if self.mixed_fit.phase is FitPhase.IDLE else self.mixed_fit
 
     def __repr__(self):
-        chosen = '' if self.chosen_for is None else f" (the fastest on {self.chosen_for})"
+        chosen = '' if self.chosen_for is None else f" (chosen for {self.chosen_for})"
         return f"{type(self).__name__}({self.dtype}{chosen}, {self.scaler})"
 
     def choose_dtype(self,

@@ -12,6 +12,11 @@ hidden cell or an exported definition supplies instead is reported, with the cel
     python tools/check_examples.py                      # the home page, the guides and the API pages of nbs/sidebar.yml
     python tools/check_examples.py nbs/07_doctor.ipynb  # some notebooks
     python tools/check_examples.py --pending 00_cast    # count these pages' findings without failing on them
+    python tools/check_examples.py --run API            # run the shown cells of the API pages, each page in a fresh process
+
+`--run` catches what names cannot show: a method that a module patches onto a class (fastai's `Learner.fit_one_cycle`,
+`to_fp16`, `no_bar`), which the page's shown imports must import too. nbdev-test runs every cell, the hidden ones
+included, so it cannot.
 """
 from __future__ import annotations
 import argparse, ast, builtins, importlib, json, re, sys, warnings
@@ -119,13 +124,63 @@ def scan(path:Path) -> list:
     return found
 
 
+def shown_cells(path:Path) -> list:
+    "The sources of the code cells a reader sees on the page, in order"
+    nb = json.loads(Path(path).read_text())
+    res = []
+    for cell in nb['cells']:
+        if cell['cell_type'] != 'code': continue
+        src = _source(cell)
+        if _export_re.search(src) or _hidden_re.search(src) or _code(src).lstrip().startswith('show_doc('): continue
+        res.append((cell.get('id', '?'), src))
+    return res
+
+
+def run_shown(path:Path) -> list:
+    "(cell id, first line, error) for each shown cell of `path` that raises when the shown cells run alone, in order, in this process"
+    import os
+    from execnb.shell import CaptureShell
+    cells,failed = shown_cells(path),[]
+    here = os.getcwd()
+    os.chdir(Path(path).resolve().parent) # (as nbdev-test runs a notebook: from its folder)
+    try:
+        sh = CaptureShell()
+        for cid,src in cells:
+            sh.run(src)
+            if sh.exc is not None:
+                e = sh.exc
+                failed.append((cid, _code(src).strip().splitlines()[0][:70], f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"))
+    finally: os.chdir(here)
+    return failed
+
+
+def run_pages(sections:list) -> int:
+    "Run the shown cells of the pages of these sidebar sections, each in a fresh Python: the number of cells that raised"
+    import subprocess
+    failed = 0
+    for path in pages(sections=tuple(sections))[1:]: # (the home page's examples are the README's, which nbdev-test runs)
+        out = subprocess.run([sys.executable, '-W', 'ignore', __file__, '--run-one', str(path)], capture_output=True, text=True)
+        found = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else [('?', path.name, out.stderr[-300:])]
+        failed += len(found)
+        for cid,line,err in found: print(f"{path.name}: cell {cid} ({line}) raises when the shown cells run alone: {err}")
+    n = len(pages(sections=tuple(sections))) - 1
+    print(f"check_examples: the shown cells of {n} page(s) run alone" if not failed else f"check_examples: {failed} shown cell(s) raise")
+    return failed
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('notebooks', nargs='*', type=Path, help='Notebooks to check (default: the home page, the guides and the API pages)')
     ap.add_argument('--pending', nargs='*', default=[], help='Pages (notebook stems) whose findings are counted, not failed on')
     ap.add_argument('--verbose', action='store_true', help="List the pending pages' findings too")
+    ap.add_argument('--run', nargs='+', metavar='SECTION', help="Run the shown cells of the pages of these sidebar sections (e.g. API), each page alone")
+    ap.add_argument('--run-one', type=Path, help=argparse.SUPPRESS) # (one page, in this process: prints its failures as JSON)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    if args.run_one:
+        print(json.dumps(run_shown(args.run_one)))
+        return 0
+    if args.run: return 1 if run_pages(args.run) else 0
     nbs = args.notebooks or pages()
     failed = 0
     for path in nbs:
