@@ -97,6 +97,21 @@ def plain_warnings(text:str) -> str:
     return _warning_re.sub(lambda m: m.group(1) + '\n', text)
 
 
+# show_doc of a property renders its getter as a method of no argument: `def loss_scale()->float:`
+_doc_sig_re = re.compile(r'(\[source\]\([^)\s]*/(?P<mod>mpcallbacks/[\w/]+)\.py#L\d+\)[^\n]*\n\n### (?P<cls>\w+)\.(?P<name>\w+)\n\n```python\n)'
+                         r'def (?P=name)\(\)(?P<ret>->[^\n]*)?:\n```')
+
+def mark_properties(md:str) -> str:
+    "A documented property's signature as Python writes one, `@property` and `self`, where show_doc wrote a method that takes no argument"
+    import importlib, inspect
+    def fix(m):
+        try: cls = getattr(importlib.import_module(m['mod'].replace('/', '.')), m['cls'])
+        except (ImportError, AttributeError): return m[0]
+        if not isinstance(inspect.getattr_static(cls, m['name'], None), property): return m[0]
+        return f"{m[1]}@property\ndef {m['name']}(self){m['ret'] or ''}:\n```"
+    return _doc_sig_re.sub(fix, md)
+
+
 def load_processed(path:Path, html:bool=True) -> tuple[dict, nbformat.NotebookNode]:
     "The front matter and the notebook at `path` (in `_proc/`), with Quarto's markup turned into plain notebook features"
     nb = nbformat.read(path, as_version=4)
@@ -106,7 +121,7 @@ def load_processed(path:Path, html:bool=True) -> tuple[dict, nbformat.NotebookNo
     apply_cell_options(nb)
     for cell in nb.cells:
         if cell.cell_type == 'markdown': cell.source = plain_markdown(cell.source, html)
-    for data in _markdown_outputs(nb): data['text/markdown'] = plain_markdown(data['text/markdown'], html)
+    for data in _markdown_outputs(nb): data['text/markdown'] = plain_markdown(mark_properties(data['text/markdown']), html)
     for cell in nb.cells:
         for out in cell.get('outputs', []):
             if out.get('name') == 'stderr': out['text'] = plain_warnings(out['text'])
