@@ -46,7 +46,7 @@ class MasterMixedPrecision(Callback):
     order = 10 # as fastai's `MixedPrecision`: before GradientClip (11) and before DistributedTrainer (11) wraps the model
     @delegates(LossScaler.__init__, but=['dynamic'])
     def __init__(self,
-        dtype:torch.dtype|str|None=None, # `torch.float16` or `torch.bfloat16`; None: the fastest type the fit's device computes natively (`fastest_16bit_dtype`)
+        dtype:torch.dtype|str|None=None, # `torch.float16` or `torch.bfloat16`; None: bfloat16 unless only float16 is native on the fit's device (`fastest_16bit_dtype`)
         loss_scale:str|float|None='auto', # 'dynamic', a positive number (static) or None; 'auto': dynamic for float16, None for bfloat16
         keep_fp32:tuple|str=(), # More module types or name patterns to keep in FP32 (normalization layers always are); 'auto': also what the precision doctor finds 16 bits would break
         mixed_inference:bool=False, # `get_preds`/`validate`/`predict` outside a fit in 16 bits too; False: in FP32, as the exported learner
@@ -102,7 +102,7 @@ class MasterMixedPrecision(Callback):
     def choose_dtype(self,
         device:torch.device, # Where the fit trains
     ) -> torch.dtype: # The 16-bit type the fit trains in
-        "With `dtype=None`, the fastest 16-bit type `device` computes natively, the scaler taking its settings; a dtype given stays"
+        "With `dtype=None`, the 16-bit type `fastest_16bit_dtype` chooses for `device`, the scaler taking its settings; a dtype given stays"
         if self.chosen_for is None: return self.dtype
         dtype,self.chosen_for = fastest_16bit_dtype(device),torch.device(device).type
         if dtype != self.dtype:

@@ -99,7 +99,7 @@ def plain_warnings(text:str) -> str:
 
 # show_doc of a property renders its getter as a method of no argument: `def loss_scale()->float:`
 _doc_sig_re = re.compile(r'(\[source\]\([^)\s]*/(?P<mod>mpcallbacks/[\w/]+)\.py#L\d+\)[^\n]*\n\n### (?P<cls>\w+)\.(?P<name>\w+)\n\n```python\n)'
-                         r'def (?P=name)\(\)(?P<ret>->[^\n]*)?:\n```')
+                         r'def (?P=name)\(\)(?P<ret>->[^\n]*?)?:(?P<tail>[ \t]*#[^\n]*)?\n```')
 
 def mark_properties(md:str) -> str:
     "A documented property's signature as Python writes one, `@property` and `self`, where show_doc wrote a method that takes no argument"
@@ -108,7 +108,7 @@ def mark_properties(md:str) -> str:
         try: cls = getattr(importlib.import_module(m['mod'].replace('/', '.')), m['cls'])
         except (ImportError, AttributeError): return m[0]
         if not isinstance(inspect.getattr_static(cls, m['name'], None), property): return m[0]
-        return f"{m[1]}@property\ndef {m['name']}(self){m['ret'] or ''}:\n```"
+        return f"{m[1]}@property\ndef {m['name']}(self){m['ret'] or ''}:{m['tail'] or ''}\n```"
     return _doc_sig_re.sub(fix, md)
 
 
