@@ -14,9 +14,9 @@ c. The throughput table: ResNet-50 at 224 px and a small GPT (6 layers, d_model 
    `to_fp16()`, fastai's `to_bf16()` (autocast in bfloat16, no scaler), `to_mixed(torch.float16)` and
    `to_mixed(torch.bfloat16)`, all with torch's fused AdamW, plus fastai's own Adam for `to_fp16()` and
    `to_mixed(torch.float16)`. For each: images or tokens per second (the median of the timed windows, after a
-   warm-up, of two fits: the configs in order, then in reverse; synchronized at the window ends), the peak memory at one batch size, the largest batch that fits (predicted by a line
-   through the peaks at two batch sizes against the memory the allocator can reach, confirmed by at most two probes),
-   host syncs per training step beyond FP32's (CUDA's sync debug mode, and `count_syncs`' rule), and the energy per
+   warm-up, of `--passes` fits, 2 by default: the configs in order, then in reverse; synchronized at the window ends),
+   the peak memory at one batch size, the largest batch that fits (predicted by a line through the peaks at two batch
+   sizes against the memory the allocator can reach, confirmed by at most two probes), host syncs per training step beyond FP32's (CUDA's sync debug mode, and `count_syncs`' rule), and the energy per
    1,000 images or 100,000 tokens from NVML's total energy counter. FP32 runs with TF32 off (every config does).
    Then the targets: to_mixed at least as fast as `to_fp16()` and autocast with the same optimizer, a largest batch at
    least theirs, at least 2x FP32's throughput on ResNet-50, and no host sync per step beyond fastai's own.

@@ -101,6 +101,11 @@ class Bound(ast.NodeVisitor):
     def visit_Global(self, n): self.bound |= set(n.names)
 
 
+def _hidden(src:str) -> bool:
+    "Whether the page leaves a cell's code out: hidden, or a `show_doc` call"
+    return bool(_hidden_re.search(src)) or _code(src).lstrip().startswith('show_doc(')
+
+
 def scan(path:Path) -> list:
     "(kind, name, cell id, first line of the cell) for each name an example uses that a hidden cell or an export supplies"
     nb = json.loads(path.read_text())
@@ -114,7 +119,7 @@ def scan(path:Path) -> list:
         b = Bound()
         b.visit(tree)
         if _export_re.search(src): exported |= b.bound; continue
-        if _hidden_re.search(src) or _code(src).lstrip().startswith('show_doc('): hidden |= b.bound; continue
+        if _hidden(src): hidden |= b.bound; continue
         # names bound in this cell before their use count: an example defines what it uses
         for name in dict.fromkeys(b.loaded):
             if name in shown or name in b.bound: continue
@@ -131,8 +136,7 @@ def shown_cells(path:Path) -> list:
     for cell in nb['cells']:
         if cell['cell_type'] != 'code': continue
         src = _source(cell)
-        if _export_re.search(src) or _hidden_re.search(src) or _code(src).lstrip().startswith('show_doc('): continue
-        res.append((cell.get('id', '?'), src))
+        if not (_export_re.search(src) or _hidden(src)): res.append((cell.get('id', '?'), src))
     return res
 
 
@@ -157,14 +161,13 @@ def run_shown(path:Path) -> list:
 def run_pages(sections:list) -> int:
     "Run the shown cells of the pages of these sidebar sections, each in a fresh Python: the number of cells that raised"
     import subprocess
-    failed = 0
-    for path in pages(sections=tuple(sections))[1:]: # (the home page's examples are the README's, which nbdev-test runs)
+    failed,paths = 0,pages(sections=tuple(sections))[1:] # (the home page's examples are the README's, which nbdev-test runs)
+    for path in paths:
         out = subprocess.run([sys.executable, '-W', 'ignore', __file__, '--run-one', str(path)], capture_output=True, text=True)
         found = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else [('?', path.name, out.stderr[-300:])]
         failed += len(found)
         for cid,line,err in found: print(f"{path.name}: cell {cid} ({line}) raises when the shown cells run alone: {err}")
-    n = len(pages(sections=tuple(sections))) - 1
-    print(f"check_examples: the shown cells of {n} page(s) run alone" if not failed else f"check_examples: {failed} shown cell(s) raise")
+    print(f"check_examples: the shown cells of {len(paths)} page(s) run alone" if not failed else f"check_examples: {failed} shown cell(s) raise")
     return failed
 
 
