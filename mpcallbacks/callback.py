@@ -18,27 +18,7 @@ from .scaler import LossScaler, NonFiniteGradients # (the error a storm of skipp
 from .mixed_fit import MixedFit, FitPhase, SkippedStepsWarning # (and the warning of a fit that skipped steps)
 
 # %% auto #0
-__all__ = ['check_no_fastai_fp16', 'fastest_16bit_dtype', 'MasterMixedPrecision', 'LossScale', 'SkippedSteps']
-
-# %% ../nbs/03_callback.ipynb #3be30b8c
-def _fastai_mixed_precision(learn) -> list:
-    "fastai's mixed-precision callbacks on `learn`, if `fastai.callback.fp16` is loaded (a learner can only hold them if it is)"
-    fp16 = sys.modules.get('fastai.callback.fp16')
-    return [cb for cb in learn.cbs if fp16 and isinstance(cb, (fp16.MixedPrecision, fp16.NonNativeMixedPrecision, fp16.ModelToHalf))]
-
-def check_no_fastai_fp16(learn) -> None:
-    "Refuse fastai's own mixed precision next to ours: both would cast the model and scale the loss"
-    if _fastai_mixed_precision(learn):
-        raise ValueError("`to_mixed()` cannot be combined with fastai's `to_fp16()`/`to_bf16()`/`to_non_native_fp16()`: "
-                         "both cast the model and scale the loss. Keep one: `learn.remove_cb(MixedPrecision)` removes fastai's, "
-                         "`learn.to_unmixed()` ours, and `learn.to_fp32()` both.")
-
-# %% ../nbs/03_callback.ipynb #783a2568
-def fastest_16bit_dtype(
-    device:torch.device, # Where the model trains
-) -> torch.dtype: # `torch.bfloat16` or `torch.float16`
-    "The 16-bit type to train in on `device`: bfloat16 unless only float16 is native there"
-    return torch.float16 if native_16bit_dtypes(device) == {torch.float16} else torch.bfloat16
+__all__ = ['MasterMixedPrecision', 'fastest_16bit_dtype', 'check_no_fastai_fp16', 'LossScale', 'SkippedSteps']
 
 # %% ../nbs/03_callback.ipynb #1fb00519
 class MasterMixedPrecision(Callback):
@@ -232,6 +212,26 @@ class MasterMixedPrecision(Callback):
         ax.set_yscale('log', base=2)
         ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
         return ax
+
+# %% ../nbs/03_callback.ipynb #783a2568
+def fastest_16bit_dtype(
+    device:torch.device, # Where the model trains
+) -> torch.dtype: # `torch.bfloat16` or `torch.float16`
+    "The 16-bit type to train in on `device`: bfloat16 unless only float16 is native there"
+    return torch.float16 if native_16bit_dtypes(device) == {torch.float16} else torch.bfloat16
+
+# %% ../nbs/03_callback.ipynb #3be30b8c
+def _fastai_mixed_precision(learn) -> list:
+    "fastai's mixed-precision callbacks on `learn`, if `fastai.callback.fp16` is loaded (a learner can only hold them if it is)"
+    fp16 = sys.modules.get('fastai.callback.fp16')
+    return [cb for cb in learn.cbs if fp16 and isinstance(cb, (fp16.MixedPrecision, fp16.NonNativeMixedPrecision, fp16.ModelToHalf))]
+
+def check_no_fastai_fp16(learn) -> None:
+    "Refuse fastai's own mixed precision next to ours: both would cast the model and scale the loss"
+    if _fastai_mixed_precision(learn):
+        raise ValueError("`to_mixed()` cannot be combined with fastai's `to_fp16()`/`to_bf16()`/`to_non_native_fp16()`: "
+                         "both cast the model and scale the loss. Keep one: `learn.remove_cb(MixedPrecision)` removes fastai's, "
+                         "`learn.to_unmixed()` ours, and `learn.to_fp32()` both.")
 
 # %% ../nbs/03_callback.ipynb #9cb16fe7
 class _MixedColumn(Metric):

@@ -1,4 +1,4 @@
-"""What importing mpcallbacks.learner adds to fastai's Learner: `to_mixed`/`to_unmixed`, checkpoint helpers, `fit` wrapped, and an export without mpcallbacks.
+"""`learn.to_mixed()` and `learn.to_unmixed()`, and what else importing mpcallbacks changes in fastai's `Learner`: the fit that ends cleanly however it ends, the inference that cannot lock the learner, the export without mpcallbacks.
 
 Docs: https://mpcallbacks.github.io/mpcallbacks/learner.html.md"""
 

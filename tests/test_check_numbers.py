@@ -144,3 +144,12 @@ def test_a_number_a_rendered_cell_types_is_checked_against_the_cited_text(tmp_pa
     assert check_numbers.check_rendered(root/'nbs', seen=rendered) == []
     errors = check_numbers.check_quoted(root, check_numbers.documents(root), rendered)
     assert len(errors) == 1 and '7.77' in errors[0], errors
+
+
+def test_each_item_of_a_list_is_read_on_its_own():
+    # a number in one item is not taken for a quote of the link in the item before it
+    md = (f"- **The step**: 4.44 ms ([measured]({REPO}bench/results/results.md#{STEP}))\n"
+          "- **Floors**: torch 2.4.1 and fastai 2.8.8")
+    got = check_numbers.blocks(md)
+    assert any('4.44' in b and 'measured' in b for b in got)
+    assert not any('4.44' in b and '2.4.1' in b for b in got), got

@@ -1,10 +1,10 @@
-"The docs build's reading of nbdev's processed notebooks (tools/processed_nb.py): a documented property shows as one"
+"The docs build's reading of nbdev's processed notebooks (tools/processed_nb.py): a documented property or class shows as one"
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT/'tools'))
-from processed_nb import mark_properties # noqa: E402
+from processed_nb import mark_classes, mark_properties # noqa: E402
 
 def doc(cls:str, name:str, sig:str) -> str:
     "show_doc's markdown for `cls.name`, as nbdev writes it"
@@ -19,3 +19,23 @@ def test_a_property_is_shown_as_one_and_a_method_as_it_was():
     for name,sig in (('plot_loss_scale', 'def plot_loss_scale()->float:'), ('nothing_here', 'def nothing_here()->int:')):
         md = doc('MasterMixedPrecision', name, sig) # a method; a name the class does not have
         assert mark_properties(md) == md
+
+
+def heading(name:str, sig:str, mod:str='callback') -> str:
+    "show_doc's markdown for a class or function `name` of `mpcallbacks.mod`"
+    return (f'---\n\n[source](https://github.com/mpcallbacks/mpcallbacks/blob/main/mpcallbacks/{mod}.py#L44)'
+            f'{{target="_blank" style="float:right; font-size:smaller"}}\n\n### {name}\n\n```python\n{sig}\n```\n\n*Its doc*')
+
+def test_a_class_is_shown_as_one_with_its_init_and_a_function_as_it_was():
+    sig = "def MasterMixedPrecision(\n    dtype:torch.dtype | None=None, # `torch.float16` or `torch.bfloat16`\n    keep_fp32:tuple | str=(), # More (kept)\n):"
+    got = mark_classes(heading('MasterMixedPrecision', sig))
+    assert ('```python\nclass MasterMixedPrecision(Callback):\n    def __init__(self,\n        dtype:torch.dtype | None=None, # `torch.float16` '
+            'or `torch.bfloat16`\n        keep_fp32:tuple | str=(), # More (kept)\n    ):\n```') in got, got
+    assert 'def MasterMixedPrecision' not in got
+    # no parameters of its own: the class line alone; a private base: the first public one above it
+    assert '```python\nclass LossScale(Metric):\n```' in mark_classes(heading('LossScale', 'def LossScale():'))
+    assert '```python\nclass NonFiniteGradients(FloatingPointError):\n```' in mark_classes(heading('NonFiniteGradients', 'def NonFiniteGradients(\n    *args, **kwargs\n):', 'scaler'))
+    # a function, followed by a class on the same page: each block is read on its own
+    md = heading('check_no_fastai_fp16', 'def check_no_fastai_fp16(\n    learn\n)->None:') + '\n\n' + heading('LossScale', 'def LossScale():')
+    got = mark_classes(md)
+    assert 'def check_no_fastai_fp16(\n    learn\n)->None:' in got and 'class LossScale(Metric):' in got

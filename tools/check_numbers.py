@@ -182,7 +182,12 @@ def blocks(md:str) -> list:
         lines = para.splitlines()
         if lines and all(l.lstrip().startswith('|') for l in lines):
             for l in lines: out += re.split(r'(?<!\\)\|', l)
-        else: out += _sentence_end.split(' '.join(l.strip() for l in lines))
+        else: # each item of a list on its own: a sentence ends where the next item begins
+            items = [[]]
+            for l in lines:
+                if re.match(r'\s*(?:[-*+]|\d+\.)\s', l) and items[-1]: items.append([])
+                items[-1].append(l.strip())
+            for item in items: out += _sentence_end.split(' '.join(item))
     return out
 
 

@@ -112,6 +112,28 @@ def mark_properties(md:str) -> str:
     return _doc_sig_re.sub(fix, md)
 
 
+# show_doc of a class renders it as a function of its `__init__`'s parameters: `def MasterMixedPrecision(`
+_class_sig_re = re.compile(r'(\[source\]\([^)\s]*/(?P<mod>mpcallbacks/[\w/]+)\.py#L\d+\)[^\n]*\n\n### (?P<name>\w+)\n\n```python\n)'
+                           r'def (?P=name)\((?P<params>(?:(?!```)[^\n]*\n)*?[^\n]*?)\)(?:\s*->[^\n:#]*)?:(?P<tail>[ \t]*#[^\n]*)?\n```')
+
+def mark_classes(md:str) -> str:
+    "A documented class's signature as Python writes one: `class X(Base):`, and its `__init__` where it takes parameters of its own"
+    import importlib, inspect
+    def fix(m):
+        try: cls = getattr(importlib.import_module(m['mod'].replace('/', '.')), m['name'])
+        except (ImportError, AttributeError): return m[0]
+        if not inspect.isclass(cls): return m[0]
+        public = lambda b: next(c for c in b.__mro__ if not c.__name__.startswith('_')) # (a private base: the first public one above it)
+        bases = ', '.join(public(b).__name__ for b in cls.__bases__ if b is not object)
+        head = f"class {m['name']}({bases}):" if bases else f"class {m['name']}:"
+        params = m['params']
+        if re.fullmatch(r'\s*(\*args,\s*\*\*kw\w*)?\s*', params): return f"{m[1]}{head}\n```" # nothing of its own to pass
+        if '\n' not in params: return f"{m[1]}{head}\n    def __init__(self, {params}):{m['tail'] or ''}\n```"
+        lines = params.strip('\n').split('\n')
+        return f"{m[1]}{head}\n    def __init__(self,\n" + '\n'.join('    ' + l for l in lines) + f"\n    ):{m['tail'] or ''}\n```"
+    return _class_sig_re.sub(fix, md)
+
+
 def load_processed(path:Path, html:bool=True) -> tuple[dict, nbformat.NotebookNode]:
     "The front matter and the notebook at `path` (in `_proc/`), with Quarto's markup turned into plain notebook features"
     nb = nbformat.read(path, as_version=4)
@@ -121,7 +143,7 @@ def load_processed(path:Path, html:bool=True) -> tuple[dict, nbformat.NotebookNo
     apply_cell_options(nb)
     for cell in nb.cells:
         if cell.cell_type == 'markdown': cell.source = plain_markdown(cell.source, html)
-    for data in _markdown_outputs(nb): data['text/markdown'] = plain_markdown(mark_properties(data['text/markdown']), html)
+    for data in _markdown_outputs(nb): data['text/markdown'] = plain_markdown(mark_classes(mark_properties(data['text/markdown'])), html)
     for cell in nb.cells:
         for out in cell.get('outputs', []):
             if out.get('name') == 'stderr': out['text'] = plain_warnings(out['text'])
