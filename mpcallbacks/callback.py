@@ -37,8 +37,10 @@ class MasterMixedPrecision(Callback):
         if dtype is None: self.chosen_for = default_device().type # (until `to_mixed` or a fit knows the learner's device)
         self._loss_scale,self._scaler_kwargs = loss_scale,kwargs # (a scaler for another dtype, if a new device calls for it)
         try: self.scaler = LossScaler.from_loss_scale(self.dtype, loss_scale, **kwargs)
-        except ValueError as e: # (the type was not the user's choice: say it)
-            if dtype is None: raise ValueError(f"{e} Without a dtype, {str(self.dtype)[6:]} was chosen for this device: pass dtype=torch.float16 or torch.bfloat16 to choose.") from e
+        except ValueError as e: # (the type was not the user's choice, and the error depends on it: say so)
+            misspelt = isinstance(loss_scale, str) and loss_scale not in ('auto', 'dynamic') # (whatever the type)
+            if dtype is None and not misspelt:
+                raise ValueError(f"{e} (Without a dtype, {str(self.dtype)[6:]} was chosen for this device: pass dtype=torch.float16 or torch.bfloat16 to choose.)") from e
             raise
         bad = [k for k in tuplify(keep_fp32) if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)))]
         if bad: raise TypeError(f"keep_fp32 takes module types (subclasses of nn.Module, e.g. nn.LayerNorm), name patterns "

@@ -6,7 +6,7 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/scaler.html.md"""
 
 # %% ../nbs/01_scaler.ipynb #7dbc1b0b
 from __future__ import annotations
-import math, numbers
+import difflib, math, numbers
 import numpy as np
 import torch
 from torch import Tensor
@@ -162,7 +162,8 @@ class LossScaler:
         "The `LossScaler` that `loss_scale` asks for, with `init_scale` only used by dynamic scaling"
         allowed = "'auto' (dynamic for float16, None for bfloat16), 'dynamic', a positive number (a static scale) or None (no scaling)"
         if isinstance(loss_scale, str) and loss_scale not in ('auto', 'dynamic'):
-            near = f": did you mean {loss_scale.strip().lower()!r}?" if loss_scale.strip().lower() in ('auto', 'dynamic') else ''
+            meant = difflib.get_close_matches(loss_scale.strip().lower(), ('auto', 'dynamic'), n=1, cutoff=0.6) # ('Auto', 'dynamc')
+            near = f": did you mean {meant[0]!r}?" if meant else ''
             raise ValueError(f"loss_scale must be {allowed}, got {loss_scale!r}{near}")
         if not (loss_scale is None or isinstance(loss_scale, (str, numbers.Real))) or isinstance(loss_scale, bool):
             raise TypeError(f"loss_scale must be {allowed}, got {type(loss_scale).__name__} {loss_scale!r}")

@@ -65,6 +65,14 @@ def test_a_callback_built_alone_chooses_at_the_fit_start(monkeypatch):
 def test_a_scaler_argument_for_the_other_type_names_the_choice(monkeypatch):
     "init_scale belongs to float16's dynamic scaling: where bfloat16 was chosen, the error says so and how to choose"
     natives(monkeypatch, {'cpu': {torch.bfloat16}})
-    with pytest.raises(ValueError, match=r"init_scale only applies .* Without a dtype, bfloat16 was chosen for this device: pass dtype=torch.float16"):
+    with pytest.raises(ValueError, match=r"init_scale only applies .*\(Without a dtype, bfloat16 was chosen for this device: pass dtype=torch.float16"):
         synth_learner().to_mixed(init_scale=2.**10)
     assert synth_learner().to_mixed(torch.float16, init_scale=2.**10).master_mixed_precision.loss_scale == 2.**10
+
+
+def test_a_misspelt_loss_scale_is_named_with_its_likely_meaning_and_no_word_of_the_dtype(monkeypatch):
+    "The spelling, not the type chosen, is what is wrong: the message says what was meant, and nothing of the dtype"
+    natives(monkeypatch, {'cpu': {torch.bfloat16}})
+    for wrong,meant in (('dynamc', 'dynamic'), ('Auto', 'auto'), ('atuo', 'auto')):
+        with pytest.raises(ValueError) as e: synth_learner().to_mixed(loss_scale=wrong)
+        assert f"got {wrong!r}: did you mean {meant!r}?" in str(e.value) and 'Without a dtype' not in str(e.value), str(e.value)
