@@ -105,7 +105,8 @@ numbers-check: $(STAMP)
 	$(PY) tools/check_numbers.py
 
 # The examples of the home page, the guides and the API pages run as shown: every name they use comes from a shown cell
-# or a builtin, not from a hidden import or the page's own exports (tools/check_examples.py). A few seconds.
+# or a builtin, not from a hidden import or the page's own exports, and no shown line is longer than a code box shows
+# (90 characters: tools/check_examples.py). A few seconds.
 examples-check: $(STAMP)
 	$(PY) tools/check_examples.py
 

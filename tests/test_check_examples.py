@@ -31,3 +31,10 @@ def test_a_name_bound_only_by_a_hidden_cell_is_found_by_names(tmp_path):
     path = notebook(tmp_path, [('secret = 42', True), ('secret + 1', False)])
     assert [(kind, name) for kind,name,*_ in check_examples.scan(path)] == [('hidden', 'secret')]
     assert [cid for cid,*_ in check_examples.run_shown(path)] == ['c1']
+
+def test_a_shown_line_longer_than_a_code_box_fails_and_a_hidden_one_does_not(tmp_path):
+    long = 'x = ' + '1 + ' * 30 + '1' # 125 characters
+    path = notebook(tmp_path, [(long, True), ('y = 1\n' + long, False)])
+    assert check_examples.long_lines(path) == [('c1', 2, len(long))]
+    assert check_examples.main([str(path)]) == 1
+    assert check_examples.main([str(notebook(tmp_path, [(long, True)]))]) == 0

@@ -14,6 +14,8 @@ hidden cell or an exported definition supplies instead is reported, with the cel
     python tools/check_examples.py --pending 00_cast    # count these pages' findings without failing on them
     python tools/check_examples.py --run API            # run the shown cells of the API pages, each page in a fresh process
 
+It also fails on a shown line longer than `LINE_LIMIT` characters: the page would scroll it sideways.
+
 `--run` catches what names cannot show: a method that a module patches onto a class (fastai's `Learner.fit_one_cycle`,
 `to_fp16`, `no_bar`), which the page's shown imports must import too. nbdev-test runs every cell, the hidden ones
 included, so it cannot.
@@ -23,6 +25,7 @@ import argparse, ast, builtins, importlib, json, re, sys, warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+LINE_LIMIT = 90 # characters of a shown code line: what the pages' code boxes show at 1280 px without scrolling
 _hidden_re = re.compile(r'^#\|\s*(hide\b|include:\s*false|echo:\s*false)', re.M)
 _export_re = re.compile(r'^#\|\s*(export|exporti|exports)\b', re.M)
 
@@ -140,6 +143,11 @@ def shown_cells(path:Path) -> list:
     return res
 
 
+def long_lines(path:Path, limit:int=LINE_LIMIT) -> list:
+    "(cell id, line number, length) of each shown code line of `path` longer than `limit` characters"
+    return [(cid, i, len(l)) for cid,src in shown_cells(path) for i,l in enumerate(src.splitlines(), 1) if len(l) > limit]
+
+
 def run_shown(path:Path) -> list:
     "(cell id, first line, error) for each shown cell of `path` that raises when the shown cells run alone, in order, in this process"
     import os
@@ -187,6 +195,8 @@ def main(argv=None):
     nbs = args.notebooks or pages()
     failed = 0
     for path in nbs:
+        for cid,line,n in long_lines(path):
+            failed += 1; print(f"{path.name}: cell {cid}, line {line}: {n} characters, more than the {LINE_LIMIT} a code box shows")
         found = scan(path)
         if not found: continue
         pending = path.stem in args.pending
@@ -194,7 +204,7 @@ def main(argv=None):
         print(f"{path.name}: {len(found)} name(s) the shown examples use without a shown import" + (' (pending)' if pending else ''))
         if pending and not args.verbose: continue
         for kind,name,cid,line in found: print(f'  {name:24} {kind:6} cell {cid}: {line}')
-    if failed: print(f'check_examples: {failed} name(s) supplied only by hidden cells or the page\'s exports'); return 1
+    if failed: print(f'check_examples: {failed} name(s) supplied only by hidden cells or the page\'s exports, or line(s) too long'); return 1
     print(f'check_examples: the examples of {len(nbs) - len(args.pending)} page(s) run as shown' +
           (f' ({len(args.pending)} pending: {", ".join(args.pending)})' if args.pending else ''))
     return 0
