@@ -196,7 +196,7 @@ class MasterMixedPrecision(Callback):
         self.mixed_fit.end_validation()
 
     def plot_loss_scale(self,
-        ax=None, # Matplotlib axes to draw on; a new figure if None
+        ax:plt.Axes|None=None, # Matplotlib axes to draw on; a new figure if None
     ): # The axes
         "Plot the loss scale at each optimizer step, with the skipped steps marked"
         import matplotlib.pyplot as plt

@@ -88,6 +88,11 @@ def to_mixed(self:Learner,
     until_done(lambda: _mix(self, old, cb)) # (whole: a Ctrl-C in the middle completes it, then is raised)
     return self
 
+# The signature a reader sees: `dtype`, then the rest by name only (`*args` is there only to say so when a second
+# argument comes by position, with a clearer message than Python's)
+_sig = inspect.signature(Learner.to_mixed)
+Learner.to_mixed.__signature__ = _sig.replace(parameters=[p for p in _sig.parameters.values() if p.kind != p.VAR_POSITIONAL])
+
 def _show(dtype) -> str: return repr(dtype) if not isinstance(dtype, torch.dtype) else f"torch.{str(dtype)[6:]}"
 
 def _mix(learn, old:list, cb:MasterMixedPrecision) -> None: # (idempotent)
@@ -110,7 +115,7 @@ def to_unmixed(self:Learner) -> Learner: # The learner itself, training in FP32
 @patch
 def mixed_summary(self:Learner,
     by_reason:bool=False, # Sum the parameters and bytes of the modules that share a reason
-) -> 'pd.DataFrame': # A row per module with parameters of its own (or per reason)
+) -> pd.DataFrame: # A row per module with parameters of its own (or per reason)
     "Which layers `to_mixed` casts to 16 bits for the forward and which stay FP32, and why, with their sizes"
     if not isinstance(by_reason, bool): raise TypeError(f"by_reason must be True or False, got {type(by_reason).__name__} {by_reason!r}")
     cbs = self._grab_cbs(MasterMixedPrecision)
@@ -121,7 +126,7 @@ def mixed_summary(self:Learner,
 # %% ../nbs/05_learner.ipynb #bbb0fb2d
 @patch
 def plot_loss_scale(self:Learner,
-    ax=None, # Matplotlib axes to draw on; a new figure if None
+    ax:plt.Axes|None=None, # Matplotlib axes to draw on; a new figure if None
 ): # The axes
     "Plot the loss scale at each optimizer step of `to_mixed`'s fits, with the skipped steps marked"
     cbs = self._grab_cbs(MasterMixedPrecision)

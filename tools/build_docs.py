@@ -230,6 +230,16 @@ def break_table_names(soup) -> None:
             text.replace_with(BeautifulSoup(breakable(str(text)), 'html.parser'))
 
 
+def describe_images(soup) -> None:
+    "An output image's alt text names the code that drew it, where nbconvert writes 'No description has been provided'"
+    for img in soup.select('img[alt^="No description"]'):
+        cell = img.find_parent(class_='jp-Cell')
+        code = cell.select_one('.jp-InputArea pre') if cell else None
+        lines = [l.strip() for l in code.get_text().splitlines() if l.strip() and not l.strip().startswith('#')] if code else []
+        drawing = [l for l in lines if re.search(r'plot|show|hist|imshow|barh?\(|set_title', l)] or lines # (the call that draws)
+        img['alt'] = f"The figure drawn by `{drawing[0][:100]}`" if drawing else 'A figure of this section'
+
+
 def wrap_signatures(soup) -> None:
     "Each line of an API signature (show_doc) in its own block that wraps with a hanging indent (see site.css)"
     for pre in soup.select('.celltag_echo-false .jp-RenderedMarkdown .highlight pre'):
@@ -309,6 +319,7 @@ def build() -> list:
         fix_source_links(soup, syms)
         break_table_names(soup)
         wrap_signatures(soup)
+        describe_images(soup)
         nav = soup.select_one('nav.site-toc')
         nav.clear(); nav.append(BeautifulSoup(toc_html(toc, page['issue_url']), 'html.parser'))
         (out/page['file']).write_text(str(soup))
