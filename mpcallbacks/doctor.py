@@ -583,7 +583,8 @@ def plot_headroom(
     fi,name = torch.finfo(dtype),str(dtype).split('.')[1]
     span = math.log2(fi.max / fi.smallest_normal) # largest over smallest normal, in bits
     r = report.iloc[::-1] # the riskiest at the top
-    if ax is None: _,ax = plt.subplots(figsize=(9, 1.2 + 0.34 * len(r)))
+    made = ax is None
+    if made: _,ax = plt.subplots(figsize=(9, 1.9 + 0.34 * len(r)), layout='constrained')
     y,lim = np.arange(len(r)),(-6, span + 6)
     clip = lambda v: np.clip(np.nan_to_num(np.asarray(v, dtype=float), posinf=lim[1], neginf=lim[0]), *lim)
     for off,top,low,color,label in ((0.2, r[['in_headroom', 'act_headroom']].min(axis=1), r.act_floor, 'tab:blue', 'activations'),
@@ -598,7 +599,11 @@ def plot_headroom(
     ax.set_yticks(y, [f"{m} {t}{marks[v]}" for m,t,v in zip(r.module, r.type, r.verdict)])
     ax.set_xlim(*lim)
     ax.set_xlabel(f"bits below {name}'s largest finite value (headroom)")
-    ax.legend(loc='upper left', bbox_to_anchor=(1.01, 1), fontsize=8)
+    # The key in two columns at a readable size, below the plot (above the caller's axes): beside it, it widened the
+    # figure, which a page then shrank to fit its column, the key's text with it
+    key = dict(ncol=2, fontsize=9)
+    if made: ax.figure.legend(loc='outside lower center', **key) # (the constrained layout makes room for it)
+    else: ax.legend(loc='lower center', bbox_to_anchor=(0.5, 1.01), **key)
     return ax
 
 # %% ../nbs/07_doctor.ipynb #680f291f
