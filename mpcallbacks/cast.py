@@ -77,7 +77,7 @@ def warn_if_slow(
     name,other = str(dtype)[6:],({torch.float16, torch.bfloat16} - {dtype}).pop()
     where = 'this CPU' if dev.type == 'cpu' else 'this GPU'
     faster = (f"`to_mixed({other})` is native here and the faster choice" if other in native else
-              "FP32 (`learn.to_unmixed()`) is faster here; mixed precision pays off on a GPU, or a CPU with AMX")
+              "FP32 (`learn.to_unmixed()`) is faster here; mixed precision pays off on a GPU")
     warnings.warn(f"{name} math is emulated on {where} and much slower than FP32: {faster} ({name} still trains correctly).",
                   stacklevel=user_stacklevel())
 
