@@ -228,7 +228,9 @@ def _fastai_mixed_precision(learn) -> list:
     fp16 = sys.modules.get('fastai.callback.fp16')
     return [cb for cb in learn.cbs if fp16 and isinstance(cb, (fp16.MixedPrecision, fp16.NonNativeMixedPrecision, fp16.ModelToHalf))]
 
-def check_no_fastai_fp16(learn) -> None:
+def check_no_fastai_fp16(
+    learn:Learner, # The learner to check
+) -> None: # (raises `ValueError` naming both ways out)
     "Refuse fastai's own mixed precision next to ours: both would cast the model and scale the loss"
     if _fastai_mixed_precision(learn):
         raise ValueError("`to_mixed()` cannot be combined with fastai's `to_fp16()`/`to_bf16()`/`to_non_native_fp16()`: "
