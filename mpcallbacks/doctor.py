@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib, math, random, re, warnings, weakref
 from typing import NamedTuple
 import numpy as np
+import pandas as pd
+import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 from torch import nn, Tensor
@@ -368,7 +370,7 @@ class PrecisionProbe:
         if k is not None and self.dtype == torch.float16 and 2.**k > 65504: k = None # (`to_mixed` refuses a static float16 scale above 65504)
         return "use loss_scale='dynamic'" + (f" (or a static 2**{k})" if k is not None else '')
 
-    def read(self) -> 'pd.DataFrame': # A row per measured module, the riskiest first
+    def read(self) -> pd.DataFrame: # A row per measured module, the riskiest first
         "The statistics and verdicts, read from the device in one transfer"
         import pandas as pd
         if not self.owns: return pd.DataFrame(columns=_columns)
@@ -531,7 +533,7 @@ def precision_report(self:Learner,
     n_batches:int=3, # Training batches measured, from the start of `dls.train`
     keep_fp32:tuple|None=None, # More module types or name patterns to keep in FP32; None: those of `to_mixed()`
     loss_scale:str|float|None=None, # As `to_mixed`'s ('auto', 'dynamic', a number); None: the learner's scaler, else 'auto'
-) -> 'pd.DataFrame': # A row per module the cast would turn to 16 bits, the riskiest first
+) -> pd.DataFrame: # A row per module the cast would turn to 16 bits, the riskiest first
     "Which layers 16 bits would break, measured on a few training batches in FP32, and why; the learner is left untouched"
     if isinstance(n_batches, bool) or not isinstance(n_batches, int):
         raise TypeError(f"n_batches must be a positive int (training batches to measure), got {type(n_batches).__name__} {n_batches!r}")
@@ -547,7 +549,7 @@ def _eager():
     stance = getattr(torch.compiler, 'set_stance', None) # torch 2.6 and later; before, a compiled model compiles for the hooks too
     return stance('force_eager') if stance else contextlib.nullcontext()
 
-def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:bool, n_batches:int) -> 'pd.DataFrame':
+def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:bool, n_batches:int) -> pd.DataFrame:
     "The report on the first `n_batches` of `learn.dls.train`, everything put back as it was"
     dl,model = learn.dls.train,learn.model
     n = min(n_batches, len(dl)) if hasattr(dl, '__len__') else n_batches
@@ -574,8 +576,8 @@ def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:b
 
 # %% ../nbs/07_doctor.ipynb #a3cf5959
 def plot_headroom(
-    report:'pd.DataFrame', # What `Learner.precision_report` returned
-    ax=None, # Matplotlib axes to draw on; a new figure if None
+    report:pd.DataFrame, # What `Learner.precision_report` returned
+    ax:plt.Axes|None=None, # Matplotlib axes to draw on; a new figure if None
 ): # The axes
     "Per module, the span of its activations' and gradients' magnitudes as headroom in bits, with the type's limits marked"
     import matplotlib.pyplot as plt
@@ -608,7 +610,7 @@ def plot_headroom(
 
 # %% ../nbs/07_doctor.ipynb #680f291f
 def auto_keep(
-    report:'pd.DataFrame', # What `Learner.precision_report` returned
+    report:pd.DataFrame, # What `Learner.precision_report` returned
 ) -> tuple: # `KeptFor` entries for `keep`
     "The modules of `report` to keep in FP32: each flagged one whose own arithmetic overflows, each other with no flagged module inside it, and what makes the inputs of one whose inputs lose what it needs"
     flagged = report[report.verdict.isin(('keep FP32', 'train in FP32')) & (report.module != '')] # (not the model: all of it in FP32 is no mixed precision)
@@ -630,7 +632,7 @@ class AutoFP32(NamedTuple):
     loss_scale: float|None # Where a dynamic loss scale starts, below the one it had: the measured gradients fit there; None: where it is
 
 # %% ../nbs/07_doctor.ipynb #1c5d2bd4
-def _say_kept(kept:tuple, report:'pd.DataFrame', dtype:torch.dtype, whole:bool=False, start:float|None=None) -> None:
+def _say_kept(kept:tuple, report:pd.DataFrame, dtype:torch.dtype, whole:bool=False, start:float|None=None) -> None:
     "One warning: what 'auto' keeps in FP32 and why, whether that is not enough (then: FP32), and the loss scale if gradients underflow"
     t,why = str(dtype).split('.')[1],dict(zip(report.module, report.reason))
     for n,made in zip(report.module, report.inputs_from): # a layer kept for what it makes
@@ -680,7 +682,7 @@ def auto_fp32(
     _say_kept(kept, rep, dtype, whole, start)
     return AutoFP32(kept, start)
 
-def _start_scale(learn:Learner, rep:'pd.DataFrame', kept:tuple, loss_scale:float) -> float|None:
+def _start_scale(learn:Learner, rep:pd.DataFrame, kept:tuple, loss_scale:float) -> float|None:
     "`start_margin` bits below the scale at which the gradients of the modules still cast just fit, where that is below `loss_scale`; the same on every rank"
     within = lambda n: any(n == k.name or n.startswith(k.name + '.') for k in kept)
     cast = rep[(rep.module != '') & ~rep.module.map(within)]

@@ -41,9 +41,10 @@ class ScaleHistory:
 
 # %% ../nbs/01_scaler.ipynb #747f228e
 class InFlightFlag:
-    """One step's inf/NaN flag on its way to the host, with the step's loss beside it. A CPU flag is host memory already: it
-    has landed. Another device's is copied into pinned memory without blocking, an event recorded after the copy: it has
-    landed once the event has passed."""
+    """One step's inf/NaN flag on its way to the host, with the step's loss beside it.
+
+    A CPU flag is host memory already: it has landed. Another device's is copied into pinned memory without
+    blocking, an event recorded after the copy: it has landed once the event has passed."""
     def __init__(self,
         flag:Tensor, # The step's flag: non-zero if its gradients had an inf or a NaN
         loss:Tensor|None=None, # The step's loss, carried with the flag (to say whether a skipped step's loss was itself non-finite)
