@@ -39,3 +39,10 @@ def test_a_class_is_shown_as_one_with_its_init_and_a_function_as_it_was():
     md = heading('check_no_fastai_fp16', 'def check_no_fastai_fp16(\n    learn\n)->None:') + '\n\n' + heading('LossScale', 'def LossScale():')
     got = mark_classes(md)
     assert 'def check_no_fastai_fp16(\n    learn\n)->None:' in got and 'class LossScale(Metric):' in got
+
+def test_a_named_constant_default_shows_its_name_not_its_value():
+    from mpcallbacks.policy import always_fp32
+    from processed_nb import name_defaults
+    sig = f"def measured_modules(\n    keep:tuple={always_fp32!r}, # Types\n):"
+    got = name_defaults(heading('measured_modules', sig, 'doctor'))
+    assert 'keep:tuple=always_fp32, # Types' in got and '<class' not in got

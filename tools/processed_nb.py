@@ -134,6 +134,19 @@ def mark_classes(md:str) -> str:
     return _class_sig_re.sub(fix, md)
 
 
+# Defaults that show_doc would print as their value, shown by the name a reader can look up instead
+_named_defaults = {'always_fp32': 'mpcallbacks.policy'}
+
+def name_defaults(md:str) -> str:
+    "A signature's default that is one of the package's named constants, written as its name, not its value"
+    import importlib
+    for name,mod in _named_defaults.items():
+        try: value = getattr(importlib.import_module(mod), name)
+        except (ImportError, AttributeError): continue
+        md = md.replace(f'={value!r}', f'={name}')
+    return md
+
+
 def load_processed(path:Path, html:bool=True) -> tuple[dict, nbformat.NotebookNode]:
     "The front matter and the notebook at `path` (in `_proc/`), with Quarto's markup turned into plain notebook features"
     nb = nbformat.read(path, as_version=4)
@@ -143,7 +156,7 @@ def load_processed(path:Path, html:bool=True) -> tuple[dict, nbformat.NotebookNo
     apply_cell_options(nb)
     for cell in nb.cells:
         if cell.cell_type == 'markdown': cell.source = plain_markdown(cell.source, html)
-    for data in _markdown_outputs(nb): data['text/markdown'] = plain_markdown(mark_classes(mark_properties(data['text/markdown'])), html)
+    for data in _markdown_outputs(nb): data['text/markdown'] = plain_markdown(name_defaults(mark_classes(mark_properties(data['text/markdown']))), html)
     for cell in nb.cells:
         for out in cell.get('outputs', []):
             if out.get('name') == 'stderr': out['text'] = plain_warnings(out['text'])
