@@ -97,17 +97,23 @@ def plain_warnings(text:str) -> str:
     return _warning_re.sub(lambda m: m.group(1) + '\n', text)
 
 
+def _documented(mod:str, name:str):
+    "The object `name` of module `mod` (`mpcallbacks/callback` or `mpcallbacks.callback`), or None where it is not there"
+    import importlib
+    try: return getattr(importlib.import_module(mod.replace('/', '.')), name)
+    except (ImportError, AttributeError): return None
+
+
 # show_doc of a property renders its getter as a method of no argument: `def loss_scale()->float:`
 _doc_sig_re = re.compile(r'(\[source\]\([^)\s]*/(?P<mod>mpcallbacks/[\w/]+)\.py#L\d+\)[^\n]*\n\n### (?P<cls>\w+)\.(?P<name>\w+)\n\n```python\n)'
                          r'def (?P=name)\(\)(?P<ret>->[^\n]*?)?:(?P<tail>[ \t]*#[^\n]*)?\n```')
 
 def mark_properties(md:str) -> str:
     "A documented property's signature as Python writes one, `@property` and `self`, where show_doc wrote a method that takes no argument"
-    import importlib, inspect
+    import inspect
     def fix(m):
-        try: cls = getattr(importlib.import_module(m['mod'].replace('/', '.')), m['cls'])
-        except (ImportError, AttributeError): return m[0]
-        if not isinstance(inspect.getattr_static(cls, m['name'], None), property): return m[0]
+        cls = _documented(m['mod'], m['cls'])
+        if cls is None or not isinstance(inspect.getattr_static(cls, m['name'], None), property): return m[0]
         return f"{m[1]}@property\ndef {m['name']}(self){m['ret'] or ''}:{m['tail'] or ''}\n```"
     return _doc_sig_re.sub(fix, md)
 
@@ -118,10 +124,9 @@ _class_sig_re = re.compile(r'(\[source\]\([^)\s]*/(?P<mod>mpcallbacks/[\w/]+)\.p
 
 def mark_classes(md:str) -> str:
     "A documented class's signature as Python writes one: `class X(Base):`, and its `__init__` where it takes parameters of its own"
-    import importlib, inspect
+    import inspect
     def fix(m):
-        try: cls = getattr(importlib.import_module(m['mod'].replace('/', '.')), m['name'])
-        except (ImportError, AttributeError): return m[0]
+        cls = _documented(m['mod'], m['name'])
         if not inspect.isclass(cls): return m[0]
         public = lambda b: next(c for c in b.__mro__ if not c.__name__.startswith('_')) # (a private base: the first public one above it)
         bases = ', '.join(public(b).__name__ for b in cls.__bases__ if b is not object)
@@ -139,11 +144,9 @@ _named_defaults = {'always_fp32': 'mpcallbacks.policy'}
 
 def name_defaults(md:str) -> str:
     "A signature's default that is one of the package's named constants, written as its name, not its value"
-    import importlib
     for name,mod in _named_defaults.items():
-        try: value = getattr(importlib.import_module(mod), name)
-        except (ImportError, AttributeError): continue
-        md = md.replace(f'={value!r}', f'={name}')
+        value = _documented(mod, name)
+        if value is not None: md = md.replace(f'={value!r}', f'={name}')
     return md
 
 
