@@ -150,6 +150,66 @@ def name_defaults(md:str) -> str:
     return md
 
 
+def _split_comment(line:str) -> tuple[str, str]:
+    "A line of code and its `# comment` (outside strings), each stripped"
+    quote = None
+    for i,ch in enumerate(line):
+        if quote:
+            if ch == '\\': continue
+            if ch == quote: quote = None
+        elif ch in '\'"': quote = ch
+        elif ch == '#': return line[:i].rstrip(), line[i+1:].strip()
+    return line.rstrip(), ''
+
+
+def _top_level(text:str, sep:str) -> int:
+    "Where `sep` first occurs in `text` outside brackets and strings, or -1"
+    depth,quote = 0,None
+    for i,ch in enumerate(text):
+        if quote:
+            if ch == quote: quote = None
+        elif ch in '\'"': quote = ch
+        elif ch in '([{': depth += 1
+        elif ch in ')]}': depth -= 1
+        elif ch == sep and depth == 0: return i
+    return -1
+
+
+def _code_cell(text:str) -> str:
+    "`text` as inline code in a markdown table cell: HTML, whose `|` does not end the cell"
+    import html as _html
+    return f"<code>{_html.escape(text).replace('|', '&#124;')}</code>" if text else ''
+
+
+_sig_block_re = re.compile(r'```python\n(?P<code>(?:(?!```)[^\n]*\n)+?)```')
+
+def param_tables(md:str) -> str:
+    """A signature that show_doc wrote with a comment on each parameter, shown without the comments, and the parameters
+    in a table under the summary: name, type, default and what the comment said (and what it returns)"""
+    m = _sig_block_re.search(md)
+    if m is None or '\n### ' not in md[:m.start()]: return md
+    lines = m['code'].rstrip('\n').split('\n')
+    if len(lines) < 3: return md # a signature on one line reads as it is
+    split = [_split_comment(l) for l in lines]
+    rows,code = [],[]
+    for i,(c,comment) in enumerate(split):
+        code.append(c)
+        stripped = c.strip()
+        if i == len(lines) - 1 or stripped.startswith(')'):
+            ret = stripped[stripped.index('->') + 2:].rstrip(':').strip() if '->' in stripped else ''
+            if comment: rows.append(('**returns**', ret, '', comment))
+            continue
+        if stripped.endswith('(') or stripped.startswith(('class ', 'def ', '@')) or stripped.rstrip(',') in ('*', '/', 'self'): continue
+        p = stripped.rstrip(',')
+        eq = _top_level(p, '='); head,default = (p[:eq], p[eq+1:]) if eq >= 0 else (p, '')
+        colon = _top_level(head, ':'); name,typ = (head[:colon], head[colon+1:]) if colon >= 0 else (head, '')
+        rows.append((f'`{name.strip()}`', typ.strip(), default.strip(), comment))
+    if not any(r[3] for r in rows): return md
+    table = '\n'.join(['| Parameter | Type | Default | Details |', '|---|---|---|---|'] +
+                      [f"| {n} | {_code_cell(t)} | {_code_cell(d)} | {c.replace('|', '&#124;')} |" for n,t,d,c in rows])
+    return md[:m.start()] + '```python\n' + '\n'.join(code) + '\n```' + md[m.end():].rstrip('\n') + '\n\n' + table + '\n'
+
+
 def load_processed(path:Path, html:bool=True) -> tuple[dict, nbformat.NotebookNode]:
     "The front matter and the notebook at `path` (in `_proc/`), with Quarto's markup turned into plain notebook features"
     nb = nbformat.read(path, as_version=4)
@@ -159,7 +219,8 @@ def load_processed(path:Path, html:bool=True) -> tuple[dict, nbformat.NotebookNo
     apply_cell_options(nb)
     for cell in nb.cells:
         if cell.cell_type == 'markdown': cell.source = plain_markdown(cell.source, html)
-    for data in _markdown_outputs(nb): data['text/markdown'] = plain_markdown(name_defaults(mark_classes(mark_properties(data['text/markdown']))), html)
+    _tables = param_tables if html else (lambda md: md) # (the table's inline code is HTML)
+    for data in _markdown_outputs(nb): data['text/markdown'] = plain_markdown(_tables(name_defaults(mark_classes(mark_properties(data['text/markdown'])))), html)
     for cell in nb.cells:
         for out in cell.get('outputs', []):
             if out.get('name') == 'stderr': out['text'] = plain_warnings(out['text'])

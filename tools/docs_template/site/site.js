@@ -1,5 +1,6 @@
 /* The docs site's behaviour, without a framework or a network: a sidebar that folds away on narrow screens, a copy
-   button on every code block, and search over every section of every page. The search index is `search.js`
+   button on every code block, search over every section of every page, and tables of prose
+   that stack on a phone. The search index is `search.js`
    (`window.SEARCH_INDEX`, written by tools/build_docs.py): a script rather than JSON, so that pages opened from disk
    can load it too. */
 (function () {
@@ -149,5 +150,23 @@
     });
   }
 
-  document.addEventListener('DOMContentLoaded', function () { setupSidebar(); setupCopyButtons(); setupSearch(); });
+  /* Tables of prose (three columns or more, long cells): on a phone each row reads as a block, every cell under its
+     column's name (CSS, `.prose-table`), where scrolling sideways would hide the last columns */
+  function setupProseTables() {
+    document.querySelectorAll('.jp-RenderedHTMLCommon table').forEach(function (table) {
+      var heads = Array.prototype.map.call(table.querySelectorAll('thead th'), function (th) { return th.textContent.trim(); });
+      var cells = table.querySelectorAll('tbody td');
+      if (heads[0] === 'Parameter') table.classList.add('param-table'); // (tools/processed_nb.param_tables)
+      if (heads.length < 3 || !cells.length) return;
+      var chars = 0;
+      cells.forEach(function (td) { chars += td.textContent.length; });
+      if (chars / cells.length < 25) return; // numbers and short words: a table scrolls, and is read as one
+      table.classList.add('prose-table');
+      table.querySelectorAll('tbody tr').forEach(function (tr) {
+        Array.prototype.forEach.call(tr.children, function (td, i) { if (i > 0 && heads[i]) td.setAttribute('data-label', heads[i]); });
+      });
+    });
+  }
+
+  document.addEventListener('DOMContentLoaded', function () { setupSidebar(); setupCopyButtons(); setupSearch(); setupProseTables(); });
 })();
