@@ -7,6 +7,7 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/cast.html.md"""
 # %% ../nbs/00_cast.ipynb #359db27a
 from __future__ import annotations
 import copy, re, sys, threading, warnings, weakref
+import numpy as np
 import torch
 from torch import nn, Tensor
 from torch.nn.utils.rnn import PackedSequence
@@ -29,7 +30,12 @@ def as_16bit_dtype(
         if dtype.lower() not in _dtype_names:
             raise ValueError(f"Unknown dtype {dtype!r}: use torch.float16 or torch.bfloat16 (or one of {list(_dtype_names)})")
         dtype = _dtype_names[dtype.lower()]
-    if not isinstance(dtype, torch.dtype): raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    if not isinstance(dtype, torch.dtype):
+        try: named = str(np.dtype(dtype)) # numpy's float16, or another library's name for a type
+        except Exception: named = None
+        hint = f" (did you mean torch.{named}?)" if named in _dtype_names else ''
+        raise TypeError(f"dtype must be a torch.dtype (torch.float16 or torch.bfloat16) or one of the names {list(_dtype_names)}, "
+                        f"got {dtype!r}{hint}")
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"to_mixed trains in 16 bits: dtype must be torch.float16 or torch.bfloat16, got {dtype}. "
                          "For plain FP32 training, remove the callback with `learn.to_unmixed()`.")

@@ -6,7 +6,7 @@ Docs: https://mpcallbacks.github.io/mpcallbacks/learner.html.md"""
 
 # %% ../nbs/05_learner.ipynb #d3c14c47
 from __future__ import annotations
-import inspect, math, numbers, warnings
+import difflib, inspect, math, numbers, warnings
 import numpy as np
 from contextlib import ExitStack
 from functools import wraps
@@ -54,8 +54,10 @@ def _check_arguments(kwargs:dict) -> None:
         if k in _removed: raise TypeError(f"to_mixed(): {_removed[k]}")
     known = set(inspect.signature(MasterMixedPrecision).parameters) - {'kwargs'}
     unknown = [k for k in kwargs if k not in known]
-    if unknown: raise TypeError(f"to_mixed() got an unexpected keyword argument {unknown[0]!r}: it takes "
-                                f"{', '.join(sorted(known))}.")
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        raise TypeError(f"to_mixed() got an unexpected keyword argument {unknown[0]!r}"
+                        + (f" (did you mean {near[0]!r}?)" if near else '') + f": it takes {', '.join(sorted(known))}.")
 
 # %% ../nbs/05_learner.ipynb #3d80d9b3
 def _compiled(model) -> bool: return any(type(m).__name__ == 'OptimizedModule' for m in model.modules()) # torch.compile's wrapper

@@ -126,3 +126,19 @@ def test_every_documented_signature_resolves_its_annotations():
         except (NameError, AttributeError, SyntaxError) as e: bad.append(f'{name}: {e}')
         except (ValueError, TypeError): pass # no signature to read (a builtin's)
     assert not bad, bad
+
+
+def test_the_learner_page_lists_every_change_importing_makes_to_learner():
+    "The Learner page says importing changes fastai's `Learner` in the ways its table lists 'and in no other': the table names each"
+    import json, re
+    from pathlib import Path
+    code = ("import json\nfrom fastai.basics import Learner\nbefore = dict(vars(Learner))\nimport mpcallbacks.all\n"
+            "print(json.dumps(sorted(k for k,v in vars(Learner).items() if before.get(k, None) is not v)))")
+    out = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True)
+    changed = json.loads(out.stdout)
+    nb = json.loads((Path(__file__).parent.parent/'nbs'/'05_learner.ipynb').read_text())
+    text = next(''.join(c['source']) for c in nb['cells'] if ''.join(c['source']).startswith('## What importing changes'))
+    table = '\n'.join(l for l in text.splitlines() if l.startswith('|'))
+    listed = set(re.findall(r'`(\w+)`', table))
+    assert {'to_mixed', 'fit', '__getstate__'} <= set(changed), changed
+    assert set(changed) <= listed, f'changed by importing but not in the table: {sorted(set(changed) - listed)}'
