@@ -219,7 +219,7 @@ class MasterMixedPrecision(Callback):
 def fastest_16bit_dtype(
     device:torch.device, # Where the model trains
 ) -> torch.dtype: # `torch.bfloat16` or `torch.float16`
-    "The 16-bit type to train in on `device`: bfloat16 unless only float16 is native there"
+    "The 16-bit type to train in on `device`: bfloat16 (for its range) unless only float16 is native there; not always the faster of the two"
     return torch.float16 if native_16bit_dtypes(device) == {torch.float16} else torch.bfloat16
 
 # %% ../nbs/03_callback.ipynb #3be30b8c

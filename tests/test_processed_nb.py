@@ -51,7 +51,7 @@ def test_a_named_constant_default_shows_its_name_not_its_value():
 def test_a_signature_with_commented_parameters_gets_a_table_and_loses_its_comments():
     from processed_nb import param_tables
     sig = ("def to_mixed(\n    dtype:torch.dtype | None=None, # `torch.float16`; None: chosen\n    *,\n"
-           "    loss_scale:str | float='auto', # 'dynamic' or a number\n    plain=3,\n)->Learner: # The learner itself")
+           "    loss_scale:str | float='auto', # 'dynamic' or a number\n    plain=3,\n    *, kw:int=1, # keyword only\n)->Learner: # The learner itself")
     got = param_tables(heading('Learner.to_mixed', sig, 'learner'))
     code = got.split('```python\n')[1].split('```')[0]
     assert '#' not in code and 'dtype:torch.dtype | None=None,\n' in code and code.rstrip().endswith(')->Learner:')
@@ -59,7 +59,8 @@ def test_a_signature_with_commented_parameters_gets_a_table_and_loses_its_commen
     assert rows[0] == '| Parameter | Type | Default | Details |'
     assert rows[2] == '| `dtype` | <code>torch.dtype &#124; None</code> | <code>None</code> | `torch.float16`; None: chosen |'
     assert rows[3] == "| `loss_scale` | <code>str &#124; float</code> | <code>&#x27;auto&#x27;</code> | 'dynamic' or a number |"
-    assert rows[4] == '| `plain` |  | <code>3</code> |  |' and rows[5] == '| **returns** | <code>Learner</code> |  | The learner itself |'
+    assert rows[4] == '| `plain` |  | <code>3</code> |  |' and rows[5] == '| `kw` | <code>int</code> | <code>1</code> | keyword only |'
+    assert rows[6] == '| **returns** | <code>Learner</code> |  | The learner itself |'
     # a signature on one line, or one without comments, stays as show_doc wrote it
     for sig in ("def value(self)->float: # None without `to_mixed`", "def f(\n    a:int=1,\n    b=2,\n):"):
         md = heading('f', sig)

@@ -187,6 +187,7 @@ def search_entries(soup, page:str, title:str) -> list:
                 entries.append(dict(p=page, a=child['id'], t=title, h=heading, x=[]))
             elif name in _skip_tags or (name == 'a' and child.get_text(strip=True) == 'source'): continue
             elif name == 'pre': entries[-1]['x'].append(' ' + child.get_text() + ' ')
+            elif name == 'img' and 'math' in (child.get('class') or []): entries[-1]['x'].append(child.get('alt', '')) # (its TeX)
             else:
                 walk(child)
                 if name in _block_tags: entries[-1]['x'].append(' ')

@@ -200,7 +200,7 @@ def param_tables(md:str) -> str:
             if comment: rows.append(('**returns**', ret, '', comment))
             continue
         if stripped.endswith('(') or stripped.startswith(('class ', 'def ', '@')) or stripped.rstrip(',') in ('*', '/', 'self'): continue
-        p = stripped.rstrip(',')
+        p = re.sub(r'^(?:[*/]\s*,\s*)+', '', stripped.rstrip(',')) # (`*, init_scale:...`: the bare `*` on the parameter's line)
         eq = _top_level(p, '='); head,default = (p[:eq], p[eq+1:]) if eq >= 0 else (p, '')
         colon = _top_level(head, ':'); name,typ = (head[:colon], head[colon+1:]) if colon >= 0 else (head, '')
         rows.append((f'`{name.strip()}`', typ.strip(), default.strip(), comment))

@@ -66,7 +66,7 @@
 
   function prepare(index) {
     return index.map(function (e) {
-      return {e: e, head: (e.t + ' ' + e.h).toLowerCase(), text: e.x.toLowerCase()};
+      return {e: e, head: (e.t + ' ' + e.h).toLowerCase(), sec: (e.h || '').toLowerCase(), text: e.x.toLowerCase()};
     });
   }
 
@@ -90,6 +90,8 @@
         if (!h && !x) return;
         score += 10 * h + Math.min(x, 10);
       }
+      // a section whose heading holds the query as typed ("loss scale") before those that hold its words apart
+      if (toks.length > 1 && d.sec.indexOf(toks.join(' ')) !== -1) score += 25;
       if (d.e.a === '') score -= 1; // a page's top before its sections when they tie
       hits.push({d: d, score: score});
     });
@@ -163,10 +165,20 @@
       if (chars / cells.length < 25) return; // numbers and short words: a table scrolls, and is read as one
       table.classList.add('prose-table');
       table.querySelectorAll('tbody tr').forEach(function (tr) {
-        Array.prototype.forEach.call(tr.children, function (td, i) { if (i > 0 && heads[i]) td.setAttribute('data-label', heads[i]); });
+        Array.prototype.forEach.call(tr.children, function (td, i) { if (i > 0 && heads[i] && td.textContent.trim()) td.setAttribute('data-label', heads[i]); });
       });
     });
   }
 
-  document.addEventListener('DOMContentLoaded', function () { setupSidebar(); setupCopyButtons(); setupSearch(); setupProseTables(); });
+  /* Below 75rem the side table of contents is hidden (site.css): its list goes, folded, under the page's title */
+  function setupInlineToc() {
+    var list = document.querySelector('.site-toc ul'), header = document.querySelector('.page-header');
+    if (!list || !header || !list.querySelector('a')) return;
+    var box = document.createElement('details'), summary = document.createElement('summary');
+    box.className = 'page-toc-inline'; summary.textContent = 'On this page';
+    box.appendChild(summary); box.appendChild(list.cloneNode(true));
+    header.parentNode.insertBefore(box, header.nextSibling);
+  }
+
+  document.addEventListener('DOMContentLoaded', function () { setupSidebar(); setupCopyButtons(); setupSearch(); setupProseTables(); setupInlineToc(); });
 })();
