@@ -129,7 +129,7 @@ def test_every_documented_signature_resolves_its_annotations():
 
 
 def test_the_learner_page_lists_every_change_importing_makes_to_learner():
-    "The Learner page says importing changes fastai's `Learner` in the ways its table lists 'and in no other': the table names each"
+    "The Learner page (and the README) says importing changes fastai's `Learner` in the ways its table lists 'and in no other': the table names each"
     import json, re
     from pathlib import Path
     code = ("import json\nfrom fastai.basics import Learner\nbefore = dict(vars(Learner))\nimport mpcallbacks.all\n"
@@ -142,3 +142,7 @@ def test_the_learner_page_lists_every_change_importing_makes_to_learner():
     listed = set(re.findall(r'`(\w+)`', table))
     assert {'to_mixed', 'fit', '__getstate__'} <= set(changed), changed
     assert set(changed) <= listed, f'changed by importing but not in the table: {sorted(set(changed) - listed)}'
+    readme = json.loads((Path(__file__).parent.parent/'nbs'/'index.ipynb').read_text())
+    text = next(''.join(c['source']) for c in readme['cells'] if '## What importing changes' in ''.join(c['source']))
+    named = set(re.findall(r'`(\w+)`', text.split('## What importing changes')[1]))
+    assert set(changed) <= named, f"changed by importing but not in the README: {sorted(set(changed) - named)}"
