@@ -56,19 +56,19 @@ class MasterMixedPrecision(Callback):
 
     @property
     def loss_scale(self) -> float:
-        "The current loss scale (1.0 when not scaling), every step recorded (a device's flags still on their way waited for)"
-        self.scaler.settle()
+        "The current loss scale (1.0 when not scaling)"
+        self.scaler.settle() # (every step recorded: a device's flags still on their way are waited for)
         return self.scaler.scale
 
     @property
     def skipped(self) -> int:
-        "Steps skipped for inf/NaN gradients, over the learner's life, every step recorded"
+        "Steps skipped for inf/NaN gradients over the learner's life"
         self.scaler.settle()
         return self.scaler.skipped
 
     @property
     def fit_skipped(self) -> int:
-        "Steps skipped since the running fit began (between fits: over the learner's life), every step recorded"
+        "Steps skipped since the running fit began (between fits: over the learner's life)"
         self.scaler.settle()
         return self.mixed_fit.skipped_in_fit
 

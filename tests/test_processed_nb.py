@@ -65,3 +65,10 @@ def test_a_signature_with_commented_parameters_gets_a_table_and_loses_its_commen
     for sig in ("def value(self)->float: # None without `to_mixed`", "def f(\n    a:int=1,\n    b=2,\n):"):
         md = heading('f', sig)
         assert param_tables(md) == md
+
+
+def test_a_formula_is_indexed_for_search_as_plain_text():
+    "The search index holds a formula's TeX (an image's alt text) as its symbols and digits, so a snippet reads `2^16`, not `2^{16}`"
+    from build_docs import plain_tex
+    assert plain_tex(r'2^{-24}\approx 6\times10^{-8}') == '2^-24≈ 6×10^-8'
+    assert plain_tex('2^{16}') == '2^16' and plain_tex(r'\log_2(\text{max})') == 'log_2(max)'

@@ -174,6 +174,15 @@ _skip_tags = ('script', 'style', 'button', 'nav', 'header', 'footer')
 _block_tags = ('p', 'li', 'div', 'pre', 'td', 'th', 'tr', 'table', 'blockquote', 'dt', 'dd', 'br', 'hr')
 
 
+_tex_words = {'approx': '≈', 'times': '×', 'cdot': '·', 'le': '≤', 'ge': '≥', 'leq': '≤', 'geq': '≥', 'log': 'log', 'max': 'max',
+              'min': 'min', 'text': '', 'mathrm': '', 'frac': '', 'left': '', 'right': '', 'infty': '∞', 'epsilon': 'ε'}
+
+def plain_tex(tex:str) -> str:
+    "A formula's TeX as a search snippet shows it: `2^{-24}\\approx 6\\times10^{-8}` as `2^-24 ≈ 6×10^-8`"
+    s = re.sub(r'\\([A-Za-z]+)', lambda m: _tex_words.get(m[1], m[1]), tex)
+    return re.sub(r'\s+', ' ', s.replace('{', '').replace('}', '').replace('\\', '')).strip()
+
+
 def search_entries(soup, page:str, title:str) -> list:
     "Sections of a page for the search index: its headings (with their anchors) and the text up to the next one"
     entries = [dict(p=page, a='', t=title, h=title, x=[])]
@@ -187,7 +196,7 @@ def search_entries(soup, page:str, title:str) -> list:
                 entries.append(dict(p=page, a=child['id'], t=title, h=heading, x=[]))
             elif name in _skip_tags or (name == 'a' and child.get_text(strip=True) == 'source'): continue
             elif name == 'pre': entries[-1]['x'].append(' ' + child.get_text() + ' ')
-            elif name == 'img' and 'math' in (child.get('class') or []): entries[-1]['x'].append(child.get('alt', '')) # (its TeX)
+            elif name == 'img' and 'math' in (child.get('class') or []): entries[-1]['x'].append(plain_tex(child.get('alt', '')))
             else:
                 walk(child)
                 if name in _block_tags: entries[-1]['x'].append(' ')

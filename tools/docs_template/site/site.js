@@ -66,7 +66,9 @@
 
   function prepare(index) {
     return index.map(function (e) {
-      return {e: e, head: (e.t + ' ' + e.h).toLowerCase(), sec: (e.h || '').toLowerCase(), text: e.x.toLowerCase()};
+      // a CamelCase name is found by its words too: "gradient accumulation" finds `GradientAccumulation`
+      var words = function (s) { return s + ' ' + s.replace(/([a-z0-9])([A-Z])/g, '$1 $2'); };
+      return {e: e, head: words(e.t + ' ' + e.h).toLowerCase(), sec: (e.h || '').toLowerCase(), text: words(e.x).toLowerCase()};
     });
   }
 
