@@ -104,17 +104,17 @@ suite-count: $(STAMP)
 numbers-check: $(STAMP)
 	$(PY) tools/check_numbers.py
 
-# The examples of the home page, the guides and the API pages run as shown: every name they use comes from a shown cell
+# The examples of the home page and of every page in the sidebar's sections run as shown: every name they use comes from a shown cell
 # or a builtin, not from a hidden import or the page's own exports, and no shown line is longer than a code box shows
 # (90 characters: tools/check_examples.py). A few seconds.
 examples-check: $(STAMP)
 	$(PY) tools/check_examples.py
 
-# The API pages' shown cells run alone, in order, each page in a fresh Python: what a reader copies works with the
+# The shown cells of the API, Internals and helpers' pages run alone, in order, each page in a fresh Python: what a reader copies works with the
 # imports the page shows (a method fastai patches onto Learner, as fit_one_cycle, needs its module imported). About two
 # minutes of one core.
 examples-run: $(STAMP)
-	$(PY) tools/check_examples.py --run API
+	$(PY) tools/check_examples.py --run API Internals "Helpers for the examples"
 
 # Fails when README.md is not what `make readme` makes of nbs/index.ipynb. A few seconds.
 readme-check: $(STAMP)

@@ -30,7 +30,7 @@ _hidden_re = re.compile(r'^#\|\s*(hide\b|include:\s*false|echo:\s*false)', re.M)
 _export_re = re.compile(r'^#\|\s*(export|exporti|exports)\b', re.M)
 
 
-def pages(root:Path=ROOT, sections=('Guides', 'API')) -> list:
+def pages(root:Path=ROOT, sections=('Guides', 'API', 'Internals', 'Helpers for the examples')) -> list:
     "The home page and the notebooks listed under these sections of nbs/sidebar.yml"
     import yaml
     side = yaml.safe_load((root/'nbs'/'sidebar.yml').read_text())['website']['sidebar']['contents']
