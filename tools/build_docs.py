@@ -310,6 +310,8 @@ def build() -> list:
     exec((cfg.lib_path/'_modidx.py').read_text(), ns)
     syms = {k: mod for mod,d in ns['d']['syms'].items() for k in d} # full name -> module
     written,index = [],[]
+    # the pages outside the Guides and the API (Internals, the examples' helpers): search ranks them after a tie
+    backstage = {n for e in entries if isinstance(e, dict) and e['section'] not in ('Guides', 'API') for n in e['contents']}
     for name,(meta,nb) in loaded.items():
         i = next((i for i,p in enumerate(order) if p['source'] == name), None) # None: a page the sidebar does not list
         near = lambda j: order[j] if i is not None and 0 <= j < len(order) else None
@@ -334,7 +336,7 @@ def build() -> list:
         nav.clear(); nav.append(BeautifulSoup(toc_html(toc, page['issue_url']), 'html.parser'))
         (out/page['file']).write_text(str(soup))
         (out/(page['file'] + '.md')).write_text(page_markdown(proc/name, meta['title'], meta.get('description', '')))
-        index += search_entries(soup, page['file'], title)
+        index += [dict(e, i=1) if name in backstage else e for e in search_entries(soup, page['file'], title)]
         written.append(page['file'])
     # A script, not JSON: pages opened from disk (file://) may not fetch() a file, but they may load a script
     (out/'search.js').write_text('window.SEARCH_INDEX = ' + json.dumps(index, ensure_ascii=False, separators=(',', ':')) + ';\n')

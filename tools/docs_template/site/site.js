@@ -95,6 +95,7 @@
       // a section whose heading holds the query as typed ("loss scale") before those that hold its words apart
       if (toks.length > 1 && d.sec.indexOf(toks.join(' ')) !== -1) score += 25;
       if (d.e.a === '') score -= 1; // a page's top before its sections when they tie
+      if (d.e.i) score -= 5; // the Internals and the examples' helpers after the guides and the API
       hits.push({d: d, score: score});
     });
     hits.sort(function (a, b) { return b.score - a.score; });
@@ -164,7 +165,7 @@
       if (heads.length < 3 || !cells.length) return;
       var chars = 0;
       cells.forEach(function (td) { chars += td.textContent.length; });
-      if (chars / cells.length < 25) return; // numbers and short words: a table scrolls, and is read as one
+      if (chars / cells.length < 25 && !table.classList.contains('param-table')) return; // numbers and short words: a table scrolls, and is read as one
       table.classList.add('prose-table');
       table.querySelectorAll('tbody tr').forEach(function (tr) {
         Array.prototype.forEach.call(tr.children, function (td, i) { if (i > 0 && heads[i] && td.textContent.trim()) td.setAttribute('data-label', heads[i]); });
