@@ -1,4 +1,4 @@
-"""FP32-master mixed-precision training for fastai: `learn.to_mixed()`.
+"""Mixed-precision training for fastai on GPUs and CPUs: `learn.to_mixed()`.
 
 What importing changes outside the package, all of it in `mpcallbacks.learner` and the `mpcallbacks.checkpoint` and
 `mpcallbacks.doctor` it imports (`mpcallbacks.all` imports them), and in `mpcallbacks.sharded`, which adds

@@ -26,8 +26,232 @@ from .distributed import world_size
 from .mixed_fit import until_done
 
 # %% auto #0
-__all__ = ['headroom_min', 'underflow_max', 'sensitivity_max', 'auto_batches', 'start_margin', 'measured_modules',
-           'PrecisionProbe', 'plot_headroom', 'auto_keep', 'AutoFP32', 'auto_fp32']
+__all__ = ['headroom_min', 'underflow_max', 'sensitivity_max', 'auto_batches', 'start_margin', 'plot_headroom', 'auto_keep',
+           'AutoFP32', 'auto_fp32', 'measured_modules', 'PrecisionProbe']
+
+# %% ../nbs/07_doctor.ipynb #26fe011e
+class _Untouched:
+    "Snapshot of what a measurement may change, put back on exit: attributes, buffers, random states, the loader's"
+    def __init__(self, learn:Learner): self.learn,self.model,self.dl = learn,learn.model,learn.dls.train
+    def __enter__(self):
+        # `training`, plain attributes (an RNN's hidden state); the learner's (`pred`, `xb`) and its callbacks'
+        self.vars = [(o, dict(vars(o))) for o in [*self.model.modules(), self.learn, *self.learn.cbs]]
+        self.hooks = [(d, dict(d)) for m in self.model.modules() for d in _hook_dicts(m)] # (what they hold: the probe's go, whatever cut its close short)
+        self.casts = {id(m):cast_holding(m) for m in self.model.modules()} # (the casts holding the modules: none, outside a fit)
+        self.bufs = [(m, k, b, b.clone()) for m in self.model.modules() for k,b in m._buffers.items() if b is not None]
+        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                    torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+        self.dl_vars = dict(vars(self.dl)) if self.dl is not None else None
+        self.dl_rng = self.dl.rng.getstate() if isinstance(getattr(self.dl, 'rng', None), random.Random) else None
+        return self
+    def __exit__(self, *exc): until_done(self._restore) # (a second Ctrl-C cannot leave half of it undone)
+
+    def _restore(self) -> None: # (idempotent)
+        for m in self.model.modules(): # a cast the probe registered and a Ctrl-C kept from closing (before its close's first line) lets go
+            held = cast_holding(m)
+            if held is not None and held is not self.casts.get(id(m)): held.restore()
+        _set_attrs(self.vars) # the same objects as before: `_parameters`, `_buffers`, hook dicts, ...
+        for d,held in self.hooks:
+            if d != held: d.clear(); d.update(held)
+        with torch.no_grad():
+            for m,k,b,v in self.bufs:
+                m._buffers[k] = b
+                b.copy_(v)
+        random.setstate(self.rng[0]); np.random.set_state(self.rng[1]); torch.set_rng_state(self.rng[2])
+        if self.rng[3] is not None: torch.cuda.set_rng_state_all(self.rng[3])
+        if self.dl_vars is not None:
+            _set_attrs([(self.dl, self.dl_vars)])
+            if self.dl_rng is not None: self.dl.rng.setstate(self.dl_rng)
+
+# %% ../nbs/07_doctor.ipynb #d4632098
+def _progress(learn, it, total:int):
+    "`it` with a fastai progress bar, if the learner shows one"
+    if not any(type(cb).__name__ == 'ProgressCallback' for cb in learn.cbs): return it
+    from fastprogress.fastprogress import progress_bar
+    pb = progress_bar(it, total=total, leave=False)
+    pb.comment = 'precision report'
+    return pb
+
+def _setting(learn, dtype, keep_fp32, loss_scale) -> tuple: # (dtype, keep, loss scale, whether dynamic)
+    "The learner's `to_mixed()` settings, where not given"
+    cb = next(iter(learn._grab_cbs(MasterMixedPrecision)), None)
+    dtype = as_16bit_dtype(dtype if dtype is not None else cb.dtype if cb else torch.float16)
+    keep = always_fp32 + tuple(L(keep_fp32)) if keep_fp32 is not None else cb.keep if cb else always_fp32
+    if loss_scale is None and cb is not None and cb.dtype == dtype: return dtype,keep,cb.loss_scale,cb.scaler.dynamic
+    scaler = LossScaler.from_loss_scale(dtype, 'auto' if loss_scale is None else loss_scale)
+    return dtype,keep,scaler.scale,scaler.dynamic
+
+@patch
+def precision_report(self:Learner,
+    dtype:torch.dtype|str|None=None, # The 16-bit type; None: that of `to_mixed()`, else float16
+    n_batches:int=3, # Training batches measured, from the start of `dls.train`
+    keep_fp32:tuple|None=None, # More module types or name patterns to keep in FP32; None: those of `to_mixed()`
+    loss_scale:str|float|None=None, # As `to_mixed`'s ('auto', 'dynamic', a number); None: the learner's scaler, else 'auto'
+) -> pd.DataFrame: # A row per module the cast would turn to 16 bits, the riskiest first
+    "Which layers 16 bits would break, measured on a few training batches in FP32, and why; the learner is left untouched"
+    if isinstance(n_batches, bool) or not isinstance(n_batches, int):
+        raise TypeError(f"n_batches must be a positive int (training batches to measure), got {type(n_batches).__name__} {n_batches!r}")
+    if n_batches < 1: raise ValueError(f"n_batches must be a positive int (training batches to measure), got {n_batches!r}")
+    bad = [k for k in L(keep_fp32) if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)))]
+    if bad: raise TypeError(f"keep_fp32 takes None, module types (subclasses of nn.Module, e.g. nn.LayerNorm) or name patterns "
+                            f"(strings, e.g. 'head'), or a list of them; these are neither: {bad!r}")
+    dtype,keep,scale,dynamic = _setting(self, dtype, keep_fp32, loss_scale)
+    return _report(self, dtype, keep, scale, dynamic, n_batches)
+
+def _eager():
+    "Compiled modules run eagerly while measured: the probe's hooks would have dynamo compile graphs the fit never runs"
+    stance = getattr(torch.compiler, 'set_stance', None) # torch 2.6 and later; before, a compiled model compiles for the hooks too
+    return stance('force_eager') if stance else contextlib.nullcontext()
+
+def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:bool, n_batches:int) -> pd.DataFrame:
+    "The report on the first `n_batches` of `learn.dls.train`, everything put back as it was"
+    dl,model = learn.dls.train,learn.model
+    n = min(n_batches, len(dl)) if hasattr(dl, '__len__') else n_batches
+    n_inp = getattr(learn.dls, 'n_inp', 1)
+    dev = getattr(learn.dls, 'device', None)
+    if dev is not None: model.to(dev) # where the batches come, as each fit and `get_preds` put it (fastai's `before_fit`)
+    def loss_of(pred): # as a fit computes it: the callbacks' `after_pred` first (an RNN's takes the output the loss wants)
+        learn.pred = pred
+        learn('after_pred')
+        return learn.loss_func(cast_floats(learn.pred, torch.float32), *learn.yb)
+    with _Untouched(learn), _eager():
+        probe = None
+        try:
+            probe = PrecisionProbe(model, dtype, keep, scale, dynamic) # (inside: an interrupt as it returns is closed too)
+            model.train()
+            for _,b in _progress(learn, zip(range(n), dl), n):
+                learn.xb,learn.yb = b[:n_inp],b[n_inp:]
+                probe.measure(learn.xb, loss_of)
+            res = probe.read()
+        finally:
+            if probe is not None: until_done(probe.close)
+    res.attrs['n_batches'] = n
+    return res
+
+# %% ../nbs/07_doctor.ipynb #a3cf5959
+def plot_headroom(
+    report:pd.DataFrame, # What `Learner.precision_report` returned
+    ax:plt.Axes|None=None, # Matplotlib axes to draw on; a new figure if None
+): # The axes
+    "Per module, the span of its activations' and gradients' magnitudes as headroom in bits, with the type's limits marked"
+    import matplotlib.pyplot as plt
+    dtype = report.attrs.get('dtype', torch.float16)
+    fi,name = torch.finfo(dtype),str(dtype).split('.')[1]
+    span = math.log2(fi.max / fi.smallest_normal) # largest over smallest normal, in bits
+    r = report.iloc[::-1] # the riskiest at the top
+    made = ax is None
+    if made: _,ax = plt.subplots(figsize=(9, 1.9 + 0.34 * len(r)), layout='constrained')
+    y,lim = np.arange(len(r)),(-6, span + 6)
+    clip = lambda v: np.clip(np.nan_to_num(np.asarray(v, dtype=float), posinf=lim[1], neginf=lim[0]), *lim)
+    for off,top,low,color,label in ((0.2, r[['in_headroom', 'act_headroom']].min(axis=1), r.act_floor, 'tab:blue', 'activations'),
+                                    (-0.2, r.grad_headroom, r.grad_floor, 'tab:orange',
+                                     f"output gradients (loss scale {_scale_name(report.attrs.get('loss_scale', 1.))})")):
+        top,low = clip(top),clip(low)
+        ax.barh(y + off, low - top, left=top, height=0.36, color=color, label=f'{label}: largest to 5% smallest')
+    ax.axvline(0, color='red', lw=1.5, label=f"overflow: {name}'s largest, {fi.max:.3g}")
+    ax.axvline(headroom_min, color='red', lw=1, ls=':', label=f'{headroom_min:g} bit: kept in FP32')
+    ax.axvline(span, color='gray', lw=1.5, ls='--', label=f"underflow: smallest normal, {fi.smallest_normal:.3g}")
+    marks = {'train in FP32':' (train in FP32)', 'keep FP32':' (keep FP32)', 'needs loss scaling':' (loss scaling)', 'fine':''}
+    ax.set_yticks(y, [f"{m} {t}{marks[v]}" for m,t,v in zip(r.module, r.type, r.verdict)])
+    ax.set_xlim(*lim)
+    ax.set_xlabel(f"bits below {name}'s largest finite value (headroom)")
+    # The key in two columns at a readable size, below the plot (above the caller's axes): beside it, it widened the
+    # figure, which a page then shrank to fit its column, the key's text with it
+    key = dict(ncol=2, fontsize=9)
+    if made: ax.figure.legend(loc='outside lower center', **key) # (the constrained layout makes room for it)
+    else: ax.legend(loc='lower center', bbox_to_anchor=(0.5, 1.01), **key)
+    return ax
+
+# %% ../nbs/07_doctor.ipynb #680f291f
+def auto_keep(
+    report:pd.DataFrame, # What `Learner.precision_report` returned
+) -> tuple: # `KeptFor` entries for `keep`
+    "The modules of `report` to keep in FP32: each flagged one whose own arithmetic overflows, each other with no flagged module inside it, and what makes the inputs of one whose inputs lose what it needs"
+    flagged = report[report.verdict.isin(('keep FP32', 'train in FP32')) & (report.module != '')] # (not the model: all of it in FP32 is no mixed precision)
+    names = list(flagged.module)
+    makes = set(flagged.module[(flagged.own_headroom < headroom_min) & ~(flagged.in_headroom < headroom_min)]) # an overflow, not one it received
+    inner = lambda n: any(o != n and o.startswith(n + '.') for o in names)
+    picked = {n:w for n,w in zip(flagged.module, flagged.keep_as) if n in makes or not inner(n)}
+    eps = torch.finfo(report.attrs.get('dtype', torch.float16)).eps
+    for row in flagged.itertuples(): # (their inputs lose what it needs when rounded: the layers that make them, kept, hand them on in FP32)
+        if row.keep_as == 'sensitivity' and not row.kept_sensitivity <= sensitivity_max * eps and '' not in row.inputs_from:
+            for m in row.inputs_from: picked.setdefault(m, 'sensitivity')
+    within = lambda n: any(n.startswith(o + '.') for o in picked) # (kept with the module that holds it)
+    return tuple(KeptFor(n, w) for n,w in picked.items() if not within(n))
+
+# %% ../nbs/07_doctor.ipynb #a7f0c3e1
+class AutoFP32(NamedTuple):
+    "What `to_mixed(keep_fp32='auto')` takes from the measure of its first fit"
+    kept: tuple # `KeptFor` entries: what to keep in FP32 besides what was kept already, the same on every rank
+    loss_scale: float|None # Where a dynamic loss scale starts, below the one it had: the measured gradients fit there; None: where it is
+
+# %% ../nbs/07_doctor.ipynb #1c5d2bd4
+def _say_kept(kept:tuple, report:pd.DataFrame, dtype:torch.dtype, whole:bool=False, start:float|None=None) -> None:
+    "One warning: what 'auto' keeps in FP32 and why, whether that is not enough (then: FP32), and the loss scale if gradients underflow"
+    t,why = str(dtype).split('.')[1],dict(zip(report.module, report.reason))
+    for n,made in zip(report.module, report.inputs_from): # a layer kept for what it makes
+        for m in made: why[m] = why.get(m) or f"it makes the inputs of `{n}`, which lose what it needs in {t}"
+    msg = [f"to_mixed(keep_fp32='auto') keeps in FP32 what {t} would break: " + '; '.join(f"`{k.name}` ({why[k.name]})" for k in kept)
+           + ' (see learn.mixed_summary()).'] if kept else []
+    fp32 = report[report.verdict == 'train in FP32']
+    if len(fp32):
+        named = {k.name for k in kept}
+        rest = '; '.join(f"{'the model' if m == '' else f'`{m}`'} ({r})" for m,r in zip(fp32.module, fp32.reason) if m not in named)
+        msg.append(f"to_mixed(keep_fp32='auto') is not enough for this model: what it keeps does not bring "
+                   + ', '.join('the model' if m == '' else f'`{m}`' for m in fp32.module) + " within reach of FP32. "
+                   f"Train it in FP32 (`learn.to_unmixed()`){': ' + rest if rest else ''}.")
+    if whole: msg.append(f"Keeping all it flags would keep every layer in FP32, so the largest stay in {t}: train this model in FP32 "
+                         "(`learn.to_unmixed()`) if the fit does not train as FP32 does.")
+    scaling = report[report.verdict == 'needs loss scaling']
+    if len(scaling): msg.append(f"The gradients of {len(scaling)} cast module(s) need loss scaling: {scaling.reason.iloc[0]}.")
+    if start is not None: msg.append(f"The dynamic loss scale starts at {_scale_name(start)}, {start_margin} bits below the one at "
+                                     f"which the gradients measured in the cast layers just fit: from a higher one, the fit's first "
+                                     f"steps would be skipped while the scale backs off.")
+    if msg: warnings.warn(' '.join(msg), stacklevel=4)
+
+_whys = ('overflow', 'underflow', 'sensitivity', 'forward mixes dtypes', 'forward fails in 16 bits') # what `KeptFor` says
+
+def _agreed(learn:Learner, kept:tuple) -> tuple:
+    "What any rank keeps, kept on every rank: each measured its own batches, and all must cast the model alike"
+    if world_size() == 1: return kept
+    names,why = [n for n,_ in learn.model.named_modules()],{k.name:k.why for k in kept}
+    codes = torch.tensor([_whys.index(why[n]) + 1 if n in why else 0 for n in names], device=next(learn.model.parameters()).device)
+    dist.all_reduce(codes, op=dist.ReduceOp.MAX) # (one collective, once per fit that measures)
+    return tuple(KeptFor(n, why.get(n, _whys[c - 1])) for n,c in zip(names, codes.tolist()) if c)
+
+def auto_fp32(
+    learn:Learner, # The learner about to fit
+    dtype:torch.dtype, # The 16-bit type it will train in
+    keep:tuple, # What it keeps in FP32 already
+    loss_scale:float, # The scale its scaler starts the fit with
+    dynamic:bool, # Whether that scale moves
+) -> AutoFP32: # What to keep in FP32 besides `keep`, and where a dynamic scale starts; the same on every rank
+    "Measure the model, name what its 16-bit type would break, and where the gradients of what stays cast fit; one warning says what and why"
+    rep = _report(learn, dtype, keep, loss_scale, dynamic, auto_batches)
+    kept,whole = _agreed(learn, auto_keep(rep)),False
+    sizes = {n:sum(p.numel() for p in m.parameters()) for n,m in learn.model.named_modules()}
+    while kept and not _castable(learn.model, keep + kept): # keeping all of it would be FP32 training: the largest flagged stays cast
+        whole,kept = True,tuple(sorted(kept, key=lambda k: sizes[k.name])[:-1])
+    start = _start_scale(learn, rep, kept, loss_scale) if dynamic else None
+    _say_kept(kept, rep, dtype, whole, start)
+    return AutoFP32(kept, start)
+
+def _start_scale(learn:Learner, rep:pd.DataFrame, kept:tuple, loss_scale:float) -> float|None:
+    "`start_margin` bits below the scale at which the gradients of the modules still cast just fit, where that is below `loss_scale`; the same on every rank"
+    within = lambda n: any(n == k.name or n.startswith(k.name + '.') for k in kept)
+    cast = rep[(rep.module != '') & ~rep.module.map(within)]
+    top = float(np.nanmax(cast.grad_max.to_numpy(dtype=float), initial=0.)) / rep.attrs['loss_scale'] # (unscaled)
+    start = 2. ** (math.floor(math.log2(torch.finfo(rep.attrs['dtype']).max / top)) - start_margin) if 0 < top < math.inf else math.inf
+    if world_size() > 1: # (every rank scales its loss alike: the smallest start)
+        t = torch.tensor(start, dtype=torch.float64, device=next(learn.model.parameters()).device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        start = t.item()
+    return start if start < loss_scale else None
+
+def _castable(model:nn.Module, keep:tuple) -> bool:
+    try: check_castable(model, keep)
+    except ValueError: return False
+    return True
 
 # %% ../nbs/07_doctor.ipynb #4557f0e7
 headroom_min = 1.0 # bits below the type's largest finite value: closer is one unlucky batch from inf
@@ -474,227 +698,3 @@ _order = {'train in FP32':0, 'keep FP32':1, 'needs loss scaling':2, 'fine':3}
 _columns = ['module', 'type', 'verdict', 'reason', 'in_max', 'in_headroom', 'in_underflow', 'act_max', 'act_headroom', 'act_floor',
             'act_overflow', 'act_underflow', 'own_op', 'own_max', 'own_headroom', 'grad_max', 'grad_headroom', 'grad_floor', 'grad_overflow', 'grad_underflow',
             'sensitivity', 'kept_sensitivity', 'inputs_from', 'keep_as']
-
-# %% ../nbs/07_doctor.ipynb #26fe011e
-class _Untouched:
-    "Snapshot of what a measurement may change, put back on exit: attributes, buffers, random states, the loader's"
-    def __init__(self, learn:Learner): self.learn,self.model,self.dl = learn,learn.model,learn.dls.train
-    def __enter__(self):
-        # `training`, plain attributes (an RNN's hidden state); the learner's (`pred`, `xb`) and its callbacks'
-        self.vars = [(o, dict(vars(o))) for o in [*self.model.modules(), self.learn, *self.learn.cbs]]
-        self.hooks = [(d, dict(d)) for m in self.model.modules() for d in _hook_dicts(m)] # (what they hold: the probe's go, whatever cut its close short)
-        self.casts = {id(m):cast_holding(m) for m in self.model.modules()} # (the casts holding the modules: none, outside a fit)
-        self.bufs = [(m, k, b, b.clone()) for m in self.model.modules() for k,b in m._buffers.items() if b is not None]
-        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-                    torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
-        self.dl_vars = dict(vars(self.dl)) if self.dl is not None else None
-        self.dl_rng = self.dl.rng.getstate() if isinstance(getattr(self.dl, 'rng', None), random.Random) else None
-        return self
-    def __exit__(self, *exc): until_done(self._restore) # (a second Ctrl-C cannot leave half of it undone)
-
-    def _restore(self) -> None: # (idempotent)
-        for m in self.model.modules(): # a cast the probe registered and a Ctrl-C kept from closing (before its close's first line) lets go
-            held = cast_holding(m)
-            if held is not None and held is not self.casts.get(id(m)): held.restore()
-        _set_attrs(self.vars) # the same objects as before: `_parameters`, `_buffers`, hook dicts, ...
-        for d,held in self.hooks:
-            if d != held: d.clear(); d.update(held)
-        with torch.no_grad():
-            for m,k,b,v in self.bufs:
-                m._buffers[k] = b
-                b.copy_(v)
-        random.setstate(self.rng[0]); np.random.set_state(self.rng[1]); torch.set_rng_state(self.rng[2])
-        if self.rng[3] is not None: torch.cuda.set_rng_state_all(self.rng[3])
-        if self.dl_vars is not None:
-            _set_attrs([(self.dl, self.dl_vars)])
-            if self.dl_rng is not None: self.dl.rng.setstate(self.dl_rng)
-
-# %% ../nbs/07_doctor.ipynb #d4632098
-def _progress(learn, it, total:int):
-    "`it` with a fastai progress bar, if the learner shows one"
-    if not any(type(cb).__name__ == 'ProgressCallback' for cb in learn.cbs): return it
-    from fastprogress.fastprogress import progress_bar
-    pb = progress_bar(it, total=total, leave=False)
-    pb.comment = 'precision report'
-    return pb
-
-def _setting(learn, dtype, keep_fp32, loss_scale) -> tuple: # (dtype, keep, loss scale, whether dynamic)
-    "The learner's `to_mixed()` settings, where not given"
-    cb = next(iter(learn._grab_cbs(MasterMixedPrecision)), None)
-    dtype = as_16bit_dtype(dtype if dtype is not None else cb.dtype if cb else torch.float16)
-    keep = always_fp32 + tuple(L(keep_fp32)) if keep_fp32 is not None else cb.keep if cb else always_fp32
-    if loss_scale is None and cb is not None and cb.dtype == dtype: return dtype,keep,cb.loss_scale,cb.scaler.dynamic
-    scaler = LossScaler.from_loss_scale(dtype, 'auto' if loss_scale is None else loss_scale)
-    return dtype,keep,scaler.scale,scaler.dynamic
-
-@patch
-def precision_report(self:Learner,
-    dtype:torch.dtype|str|None=None, # The 16-bit type; None: that of `to_mixed()`, else float16
-    n_batches:int=3, # Training batches measured, from the start of `dls.train`
-    keep_fp32:tuple|None=None, # More module types or name patterns to keep in FP32; None: those of `to_mixed()`
-    loss_scale:str|float|None=None, # As `to_mixed`'s ('auto', 'dynamic', a number); None: the learner's scaler, else 'auto'
-) -> pd.DataFrame: # A row per module the cast would turn to 16 bits, the riskiest first
-    "Which layers 16 bits would break, measured on a few training batches in FP32, and why; the learner is left untouched"
-    if isinstance(n_batches, bool) or not isinstance(n_batches, int):
-        raise TypeError(f"n_batches must be a positive int (training batches to measure), got {type(n_batches).__name__} {n_batches!r}")
-    if n_batches < 1: raise ValueError(f"n_batches must be a positive int (training batches to measure), got {n_batches!r}")
-    bad = [k for k in L(keep_fp32) if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)))]
-    if bad: raise TypeError(f"keep_fp32 takes None, module types (subclasses of nn.Module, e.g. nn.LayerNorm) or name patterns "
-                            f"(strings, e.g. 'head'), or a list of them; these are neither: {bad!r}")
-    dtype,keep,scale,dynamic = _setting(self, dtype, keep_fp32, loss_scale)
-    return _report(self, dtype, keep, scale, dynamic, n_batches)
-
-def _eager():
-    "Compiled modules run eagerly while measured: the probe's hooks would have dynamo compile graphs the fit never runs"
-    stance = getattr(torch.compiler, 'set_stance', None) # torch 2.6 and later; before, a compiled model compiles for the hooks too
-    return stance('force_eager') if stance else contextlib.nullcontext()
-
-def _report(learn:Learner, dtype:torch.dtype, keep:tuple, scale:float, dynamic:bool, n_batches:int) -> pd.DataFrame:
-    "The report on the first `n_batches` of `learn.dls.train`, everything put back as it was"
-    dl,model = learn.dls.train,learn.model
-    n = min(n_batches, len(dl)) if hasattr(dl, '__len__') else n_batches
-    n_inp = getattr(learn.dls, 'n_inp', 1)
-    dev = getattr(learn.dls, 'device', None)
-    if dev is not None: model.to(dev) # where the batches come, as each fit and `get_preds` put it (fastai's `before_fit`)
-    def loss_of(pred): # as a fit computes it: the callbacks' `after_pred` first (an RNN's takes the output the loss wants)
-        learn.pred = pred
-        learn('after_pred')
-        return learn.loss_func(cast_floats(learn.pred, torch.float32), *learn.yb)
-    with _Untouched(learn), _eager():
-        probe = None
-        try:
-            probe = PrecisionProbe(model, dtype, keep, scale, dynamic) # (inside: an interrupt as it returns is closed too)
-            model.train()
-            for _,b in _progress(learn, zip(range(n), dl), n):
-                learn.xb,learn.yb = b[:n_inp],b[n_inp:]
-                probe.measure(learn.xb, loss_of)
-            res = probe.read()
-        finally:
-            if probe is not None: until_done(probe.close)
-    res.attrs['n_batches'] = n
-    return res
-
-# %% ../nbs/07_doctor.ipynb #a3cf5959
-def plot_headroom(
-    report:pd.DataFrame, # What `Learner.precision_report` returned
-    ax:plt.Axes|None=None, # Matplotlib axes to draw on; a new figure if None
-): # The axes
-    "Per module, the span of its activations' and gradients' magnitudes as headroom in bits, with the type's limits marked"
-    import matplotlib.pyplot as plt
-    dtype = report.attrs.get('dtype', torch.float16)
-    fi,name = torch.finfo(dtype),str(dtype).split('.')[1]
-    span = math.log2(fi.max / fi.smallest_normal) # largest over smallest normal, in bits
-    r = report.iloc[::-1] # the riskiest at the top
-    made = ax is None
-    if made: _,ax = plt.subplots(figsize=(9, 1.9 + 0.34 * len(r)), layout='constrained')
-    y,lim = np.arange(len(r)),(-6, span + 6)
-    clip = lambda v: np.clip(np.nan_to_num(np.asarray(v, dtype=float), posinf=lim[1], neginf=lim[0]), *lim)
-    for off,top,low,color,label in ((0.2, r[['in_headroom', 'act_headroom']].min(axis=1), r.act_floor, 'tab:blue', 'activations'),
-                                    (-0.2, r.grad_headroom, r.grad_floor, 'tab:orange',
-                                     f"output gradients (loss scale {_scale_name(report.attrs.get('loss_scale', 1.))})")):
-        top,low = clip(top),clip(low)
-        ax.barh(y + off, low - top, left=top, height=0.36, color=color, label=f'{label}: largest to 5% smallest')
-    ax.axvline(0, color='red', lw=1.5, label=f"overflow: {name}'s largest, {fi.max:.3g}")
-    ax.axvline(headroom_min, color='red', lw=1, ls=':', label=f'{headroom_min:g} bit: kept in FP32')
-    ax.axvline(span, color='gray', lw=1.5, ls='--', label=f"underflow: smallest normal, {fi.smallest_normal:.3g}")
-    marks = {'train in FP32':' (train in FP32)', 'keep FP32':' (keep FP32)', 'needs loss scaling':' (loss scaling)', 'fine':''}
-    ax.set_yticks(y, [f"{m} {t}{marks[v]}" for m,t,v in zip(r.module, r.type, r.verdict)])
-    ax.set_xlim(*lim)
-    ax.set_xlabel(f"bits below {name}'s largest finite value (headroom)")
-    # The key in two columns at a readable size, below the plot (above the caller's axes): beside it, it widened the
-    # figure, which a page then shrank to fit its column, the key's text with it
-    key = dict(ncol=2, fontsize=9)
-    if made: ax.figure.legend(loc='outside lower center', **key) # (the constrained layout makes room for it)
-    else: ax.legend(loc='lower center', bbox_to_anchor=(0.5, 1.01), **key)
-    return ax
-
-# %% ../nbs/07_doctor.ipynb #680f291f
-def auto_keep(
-    report:pd.DataFrame, # What `Learner.precision_report` returned
-) -> tuple: # `KeptFor` entries for `keep`
-    "The modules of `report` to keep in FP32: each flagged one whose own arithmetic overflows, each other with no flagged module inside it, and what makes the inputs of one whose inputs lose what it needs"
-    flagged = report[report.verdict.isin(('keep FP32', 'train in FP32')) & (report.module != '')] # (not the model: all of it in FP32 is no mixed precision)
-    names = list(flagged.module)
-    makes = set(flagged.module[(flagged.own_headroom < headroom_min) & ~(flagged.in_headroom < headroom_min)]) # an overflow, not one it received
-    inner = lambda n: any(o != n and o.startswith(n + '.') for o in names)
-    picked = {n:w for n,w in zip(flagged.module, flagged.keep_as) if n in makes or not inner(n)}
-    eps = torch.finfo(report.attrs.get('dtype', torch.float16)).eps
-    for row in flagged.itertuples(): # (their inputs lose what it needs when rounded: the layers that make them, kept, hand them on in FP32)
-        if row.keep_as == 'sensitivity' and not row.kept_sensitivity <= sensitivity_max * eps and '' not in row.inputs_from:
-            for m in row.inputs_from: picked.setdefault(m, 'sensitivity')
-    within = lambda n: any(n.startswith(o + '.') for o in picked) # (kept with the module that holds it)
-    return tuple(KeptFor(n, w) for n,w in picked.items() if not within(n))
-
-# %% ../nbs/07_doctor.ipynb #a7f0c3e1
-class AutoFP32(NamedTuple):
-    "What `to_mixed(keep_fp32='auto')` takes from the measure of its first fit"
-    kept: tuple # `KeptFor` entries: what to keep in FP32 besides what was kept already, the same on every rank
-    loss_scale: float|None # Where a dynamic loss scale starts, below the one it had: the measured gradients fit there; None: where it is
-
-# %% ../nbs/07_doctor.ipynb #1c5d2bd4
-def _say_kept(kept:tuple, report:pd.DataFrame, dtype:torch.dtype, whole:bool=False, start:float|None=None) -> None:
-    "One warning: what 'auto' keeps in FP32 and why, whether that is not enough (then: FP32), and the loss scale if gradients underflow"
-    t,why = str(dtype).split('.')[1],dict(zip(report.module, report.reason))
-    for n,made in zip(report.module, report.inputs_from): # a layer kept for what it makes
-        for m in made: why[m] = why.get(m) or f"it makes the inputs of `{n}`, which lose what it needs in {t}"
-    msg = [f"to_mixed(keep_fp32='auto') keeps in FP32 what {t} would break: " + '; '.join(f"`{k.name}` ({why[k.name]})" for k in kept)
-           + ' (see learn.mixed_summary()).'] if kept else []
-    fp32 = report[report.verdict == 'train in FP32']
-    if len(fp32):
-        named = {k.name for k in kept}
-        rest = '; '.join(f"{'the model' if m == '' else f'`{m}`'} ({r})" for m,r in zip(fp32.module, fp32.reason) if m not in named)
-        msg.append(f"to_mixed(keep_fp32='auto') is not enough for this model: what it keeps does not bring "
-                   + ', '.join('the model' if m == '' else f'`{m}`' for m in fp32.module) + " within reach of FP32. "
-                   f"Train it in FP32 (`learn.to_unmixed()`){': ' + rest if rest else ''}.")
-    if whole: msg.append(f"Keeping all it flags would keep every layer in FP32, so the largest stay in {t}: train this model in FP32 "
-                         "(`learn.to_unmixed()`) if the fit does not train as FP32 does.")
-    scaling = report[report.verdict == 'needs loss scaling']
-    if len(scaling): msg.append(f"The gradients of {len(scaling)} cast module(s) need loss scaling: {scaling.reason.iloc[0]}.")
-    if start is not None: msg.append(f"The dynamic loss scale starts at {_scale_name(start)}, {start_margin} bits below the one at "
-                                     f"which the gradients measured in the cast layers just fit: from a higher one, the fit's first "
-                                     f"steps would be skipped while the scale backs off.")
-    if msg: warnings.warn(' '.join(msg), stacklevel=4)
-
-_whys = ('overflow', 'underflow', 'sensitivity', 'forward mixes dtypes', 'forward fails in 16 bits') # what `KeptFor` says
-
-def _agreed(learn:Learner, kept:tuple) -> tuple:
-    "What any rank keeps, kept on every rank: each measured its own batches, and all must cast the model alike"
-    if world_size() == 1: return kept
-    names,why = [n for n,_ in learn.model.named_modules()],{k.name:k.why for k in kept}
-    codes = torch.tensor([_whys.index(why[n]) + 1 if n in why else 0 for n in names], device=next(learn.model.parameters()).device)
-    dist.all_reduce(codes, op=dist.ReduceOp.MAX) # (one collective, once per fit that measures)
-    return tuple(KeptFor(n, why.get(n, _whys[c - 1])) for n,c in zip(names, codes.tolist()) if c)
-
-def auto_fp32(
-    learn:Learner, # The learner about to fit
-    dtype:torch.dtype, # The 16-bit type it will train in
-    keep:tuple, # What it keeps in FP32 already
-    loss_scale:float, # The scale its scaler starts the fit with
-    dynamic:bool, # Whether that scale moves
-) -> AutoFP32: # What to keep in FP32 besides `keep`, and where a dynamic scale starts; the same on every rank
-    "Measure the model, name what its 16-bit type would break, and where the gradients of what stays cast fit; one warning says what and why"
-    rep = _report(learn, dtype, keep, loss_scale, dynamic, auto_batches)
-    kept,whole = _agreed(learn, auto_keep(rep)),False
-    sizes = {n:sum(p.numel() for p in m.parameters()) for n,m in learn.model.named_modules()}
-    while kept and not _castable(learn.model, keep + kept): # keeping all of it would be FP32 training: the largest flagged stays cast
-        whole,kept = True,tuple(sorted(kept, key=lambda k: sizes[k.name])[:-1])
-    start = _start_scale(learn, rep, kept, loss_scale) if dynamic else None
-    _say_kept(kept, rep, dtype, whole, start)
-    return AutoFP32(kept, start)
-
-def _start_scale(learn:Learner, rep:pd.DataFrame, kept:tuple, loss_scale:float) -> float|None:
-    "`start_margin` bits below the scale at which the gradients of the modules still cast just fit, where that is below `loss_scale`; the same on every rank"
-    within = lambda n: any(n == k.name or n.startswith(k.name + '.') for k in kept)
-    cast = rep[(rep.module != '') & ~rep.module.map(within)]
-    top = float(np.nanmax(cast.grad_max.to_numpy(dtype=float), initial=0.)) / rep.attrs['loss_scale'] # (unscaled)
-    start = 2. ** (math.floor(math.log2(torch.finfo(rep.attrs['dtype']).max / top)) - start_margin) if 0 < top < math.inf else math.inf
-    if world_size() > 1: # (every rank scales its loss alike: the smallest start)
-        t = torch.tensor(start, dtype=torch.float64, device=next(learn.model.parameters()).device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        start = t.item()
-    return start if start < loss_scale else None
-
-def _castable(model:nn.Module, keep:tuple) -> bool:
-    try: check_castable(model, keep)
-    except ValueError: return False
-    return True

@@ -1,4 +1,4 @@
-"""`learn.to_mixed()` and `learn.to_unmixed()`, and what else importing mpcallbacks changes in fastai's `Learner`: the fit that ends cleanly however it ends, the inference that cannot lock the learner, the export without mpcallbacks.
+"""`learn.to_mixed()` adds mixed precision to a fastai learner and `learn.to_unmixed()` removes it. Importing mpcallbacks also makes a mixed learner's fits, inference and export end cleanly however they end.
 
 Docs: https://mpcallbacks.github.io/mpcallbacks/learner.html.md"""
 
