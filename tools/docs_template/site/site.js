@@ -95,7 +95,7 @@
       // a section whose heading holds the query as typed ("loss scale") before those that hold its words apart
       if (toks.length > 1 && d.sec.indexOf(toks.join(' ')) !== -1) score += 25;
       if (d.e.a === '') score -= 1; // a page's top before its sections when they tie
-      if (d.e.i) score -= 5; // the Internals and the examples' helpers after the guides and the API
+      if (d.e.i) score -= 15; // the Internals and the examples' helpers after the guides and the API, unless named
       hits.push({d: d, score: score});
     });
     hits.sort(function (a, b) { return b.score - a.score; });
