@@ -255,10 +255,12 @@ class _MixedColumn(Metric):
 class LossScale(_MixedColumn):
     "A column of fastai's epoch table: the loss scale of `to_mixed` at the end of each epoch"
     @property
-    def value(self) -> float|None: # None for a learner without `to_mixed`
-        "The loss scale now"
+    def value(self) -> float|int|None: # None for a learner without `to_mixed`
+        "The loss scale now: a whole scale as an `int`, which fastai's table prints as 65536 rather than 65536.000000"
         cb = self._mixed()
-        return cb.loss_scale if cb is not None else None
+        if cb is None: return None
+        scale = cb.loss_scale
+        return int(scale) if scale.is_integer() else scale
 
 # %% ../nbs/03_callback.ipynb #c133ec5e
 class SkippedSteps(_MixedColumn):

@@ -92,6 +92,18 @@ def test_the_epoch_table_can_show_the_scale_and_the_skips():
     assert [r['skipped_steps'] for r in rows] == [2, 3] # so far in the fit
     assert [r['loss_scale'] for r in rows] == [2.**8, 2.**7]
 
+def test_the_epoch_table_prints_a_whole_scale_without_decimals():
+    # fastai's table prints a float with 6 decimals (65536.000000) and an int as it is
+    learn = synth_learner().to_mixed(torch.float16, init_scale=2.**16)
+    learn.metrics = [LossScale()]
+    learn.fit(1, 1e-2)
+    scale = learn.recorder.values[-1][-1]
+    assert scale == 2**16 and isinstance(scale, int)
+    learn = synth_learner().to_mixed(torch.float16, init_scale=1000.5, growth_interval=10**6)
+    learn.metrics = [LossScale()]
+    learn.fit(1, 1e-2)
+    assert learn.recorder.values[-1][-1] == 1000.5 # a scale that is not whole keeps its decimals
+
 def test_plot_loss_scale_on_the_learner():
     import matplotlib; matplotlib.use('Agg')
     learn = synth_learner().to_mixed(torch.float16, init_scale=2.**10)
