@@ -87,7 +87,7 @@ def precision_report(self:Learner,
     n_batches:int=3, # Training batches measured, from the start of `dls.train`
     keep_fp32:tuple|None=None, # More module types or name patterns to keep in FP32; None: those of `to_mixed()`
     loss_scale:str|float|None=None, # As `to_mixed`'s ('auto', 'dynamic', a number); None: the learner's scaler, else 'auto'
-) -> pd.DataFrame: # A row per module the cast would turn to 16 bits, the riskiest first
+) -> pd.DataFrame: # A row per module the cast would turn to 16 bits: the riskiest first, then the fine ones in the model's order
     "Which layers 16 bits would break, measured on a few training batches in FP32, and why; the learner is left untouched"
     if isinstance(n_batches, bool) or not isinstance(n_batches, int):
         raise TypeError(f"n_batches must be a positive int (training batches to measure), got {type(n_batches).__name__} {n_batches!r}")
@@ -594,7 +594,7 @@ class PrecisionProbe:
         if k is not None and self.dtype == torch.float16 and 2.**k > 65504: k = None # (`to_mixed` refuses a static float16 scale above 65504)
         return "use loss_scale='dynamic'" + (f" (or a static 2**{k})" if k is not None else '')
 
-    def read(self) -> pd.DataFrame: # A row per measured module, the riskiest first
+    def read(self) -> pd.DataFrame: # A row per measured module: the riskiest first, then the fine ones in the model's order
         "The statistics and verdicts, read from the device in one transfer"
         import pandas as pd
         if not self.owns: return pd.DataFrame(columns=_columns)
@@ -644,7 +644,9 @@ class PrecisionProbe:
         res = pd.DataFrame(out, columns=_columns)
         rank = res.verdict.map(_order)
         room = res[['in_headroom', 'act_headroom', 'own_headroom', 'grad_headroom']].min(axis=1)
-        res = res.iloc[np.lexsort((room.values, rank.values))].reset_index(drop=True)
+        # flagged rows by headroom, the least first; the fine ones in the model's order
+        within = np.where(rank.values == _order['fine'], np.arange(len(res)), room.values)
+        res = res.iloc[np.lexsort((within, rank.values))].reset_index(drop=True)
         res.attrs.update(dtype=self.dtype, loss_scale=self.scale, dynamic=self.dynamic)
         return res
 

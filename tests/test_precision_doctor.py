@@ -178,6 +178,13 @@ def test_benign_models_are_fine(name, dtype):
     assert set(rep.verdict) == {'fine'}, rep[rep.verdict != 'fine'][['module', 'verdict', 'reason']]
     assert (rep.sensitivity < 2 * torch.finfo(dtype).eps).all(), rep.sensitivity.max() # well under the 8-epsilon limit
 
+def test_fine_rows_are_in_the_models_order():
+    # not by headroom: a hundred bits of room more or less ranks nothing, and the model's order is what a reader follows
+    learn = digits_learner()
+    rep = learn.precision_report(torch.bfloat16)
+    assert set(rep.verdict) == {'fine'}
+    assert list(rep.module) == [n for n,m in learn.model.named_modules() if n in set(rep.module)]
+
 @pytest.mark.parametrize('name', list(benign))
 def test_auto_changes_nothing_on_benign_models(name):
     default = quiet(benign[name]()).to_mixed(torch.bfloat16)
