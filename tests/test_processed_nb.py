@@ -72,3 +72,10 @@ def test_a_formula_is_indexed_for_search_as_plain_text():
     from build_docs import plain_tex
     assert plain_tex(r'2^{-24}\approx 6\times10^{-8}') == '2^-24≈ 6×10^-8'
     assert plain_tex('2^{16}') == '2^16' and plain_tex(r'\log_2(\text{max})') == 'log_2(max)'
+
+def test_a_parameters_comment_is_found_after_an_escaped_quote():
+    from processed_nb import _split_comment, _top_level
+    line = r"""sep:str='it\'s # not a comment', # the separator"""
+    assert _split_comment(line) == (r"""sep:str='it\'s # not a comment',""", 'the separator')
+    assert _split_comment('x = "a \\" # b" # c') == ('x = "a \\" # b"', 'c')
+    assert _top_level(r"""a='x\', y', b=2""", ',') == len(r"""a='x\', y'""")

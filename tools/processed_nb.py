@@ -150,26 +150,29 @@ def name_defaults(md:str) -> str:
     return md
 
 
+def _outside_strings(text:str):
+    "Each `(i, ch)` of `text` outside its string literals (a backslash in a string escapes the character after it)"
+    quote,escaped = None,False
+    for i,ch in enumerate(text):
+        if escaped: escaped = False
+        elif quote:
+            if ch == '\\': escaped = True
+            elif ch == quote: quote = None
+        elif ch in '\'"': quote = ch
+        else: yield i,ch
+
+
 def _split_comment(line:str) -> tuple[str, str]:
     "A line of code and its `# comment` (outside strings), each stripped"
-    quote = None
-    for i,ch in enumerate(line):
-        if quote:
-            if ch == '\\': continue
-            if ch == quote: quote = None
-        elif ch in '\'"': quote = ch
-        elif ch == '#': return line[:i].rstrip(), line[i+1:].strip()
-    return line.rstrip(), ''
+    i = next((i for i,ch in _outside_strings(line) if ch == '#'), None)
+    return (line.rstrip(), '') if i is None else (line[:i].rstrip(), line[i+1:].strip())
 
 
 def _top_level(text:str, sep:str) -> int:
     "Where `sep` first occurs in `text` outside brackets and strings, or -1"
-    depth,quote = 0,None
-    for i,ch in enumerate(text):
-        if quote:
-            if ch == quote: quote = None
-        elif ch in '\'"': quote = ch
-        elif ch in '([{': depth += 1
+    depth = 0
+    for i,ch in _outside_strings(text):
+        if ch in '([{': depth += 1
         elif ch in ')]}': depth -= 1
         elif ch == sep and depth == 0: return i
     return -1
