@@ -33,7 +33,7 @@ except ImportError: # the checker without IPython: the text itself
         @property
         def data(self): return str(self)
 
-__all__ = ['ROOT', 'RESULTS', 'REPO', 'SITE', 'Markdown', 'github_anchor', 'Table', 'Section', 'Results', 'results_md',
+__all__ = ['ROOT', 'RESULTS', 'REPO', 'SITE', 'Markdown', 'github_anchor', 'Table', 'Section', 'Results', 'results_md', 'floor_stack',
            'num', 'link', 'install_runs', 'suite', 'gpu_results', 'pinned', 'gb', 'minutes', 'plural']
 
 
@@ -177,6 +177,13 @@ def pinned(path:Path=ROOT/'constraints.txt') -> dict:
         m = re.match(r'\s*([A-Za-z0-9_.\-]+)==(\S+)', line)
         if m: pins[m.group(1).lower()] = m.group(2)
     return pins
+
+
+def floor_stack(path:Path=ROOT/'Makefile') -> dict:
+    "The oldest releases CI's floor job installs (the Makefile's `STACK_floor`): package name (lower case) -> version"
+    text = Path(path).read_text()
+    m = re.search(r'^STACK_floor\s*:=((?:[^\n]*\\\n)*[^\n]*)', text, re.M)
+    return {k.lower():v for k,v in re.findall(r'([A-Za-z0-9_.\-]+)==([\w.]+)', m.group(1))}
 
 
 def gb(nbytes:float|None, fallback:float|None=None) -> str:
