@@ -11,7 +11,7 @@ from contextlib import contextmanager, nullcontext
 from collections import defaultdict
 from functools import partial
 from fastai.basics import *
-import copy # (after fastai's star import, which brings `copy.copy` in as `copy`)
+from copy import copy as shallow_copy # (not `copy`: fastai's star import, here and in a notebook's later cells, binds `copy.copy` to it)
 import numpy as np
 import errno, shutil, math, numbers, pickle, inspect, zipfile, zlib
 from .scaler import LossScaler
@@ -293,7 +293,7 @@ def _made_at_a_step(
     try:
         if isinstance(opt, Optimizer):
             if type(opt).step is not Optimizer.step: return None # (a subclass that steps its own way, as `Lookahead` steps another optimizer)
-            stand = copy.copy(opt)
+            stand = shallow_copy(opt)
             stand.param_lists,stand.hypers,stand.state = L([L([x])]),L([dict(opt.hypers[group])]),defaultdict(dict)
         else: stand = type(opt)([{**{k:v for k,v in opt.param_groups[group].items() if k != 'params'}, 'params':[x]}])
         stand.step()
