@@ -582,14 +582,17 @@ class PrecisionProbe:
         t = str(self.dtype).split('.')[1]
         if r['grad_underflow'] > underflow_max:
             return ('needs loss scaling',f"{r['grad_underflow']:.0%} of its nonzero output gradients fall below {t}'s smallest normal at "
-                    f"loss scale {_scale_name(self.scale)}: {self._scale_advice()}",'')
+                    f"{self._scale_said()}: {self._scale_advice()}",'')
         if r['grad_headroom'] < 0:
-            return 'needs loss scaling',f"its output gradients overflow at loss scale {_scale_name(self.scale)}: {self._scale_advice()}",''
+            return 'needs loss scaling',f"its output gradients overflow at {self._scale_said()}: {self._scale_advice()}",''
         return 'fine','',''
+
+    def _scale_said(self) -> str: return f"{'the dynamic loss scale, settled at' if self.dynamic else 'loss scale'} {_scale_name(self.scale)}"
 
     def _scale_advice(self) -> str:
         "The scale to use: dynamic, or the power of two that leaves the model's largest gradient `headroom_min` below the top"
-        if self.dynamic: return f"its gradients span more than {str(self.dtype).split('.')[1]}'s range: keep it in FP32 with keep_fp32"
+        if self.dynamic: return (f"its gradients span more than {str(self.dtype).split('.')[1]}'s range, so no scale fits them all: train in "
+                                 "bfloat16, or keep it in FP32 by its name in keep_fp32")
         k = math.floor(math.log2(torch.finfo(self.dtype).max / self.grad_max) - headroom_min) if 0 < self.grad_max < math.inf else None
         if k is not None and self.dtype == torch.float16 and 2.**k > 65504: k = None # (`to_mixed` refuses a static float16 scale above 65504)
         return "use loss_scale='dynamic'" + (f" (or a static 2**{k})" if k is not None else '')
@@ -671,7 +674,7 @@ def _set_rng_state(state:tuple, device:torch.device) -> None:
     if state[1] is not None: torch.cuda.set_rng_state(state[1], device)
 
 # %% ../nbs/07_doctor.ipynb #7c74fb50
-def _scale_name(s:float) -> str: return f"2**{int(math.log2(s))}" if s > 1 and math.log2(s).is_integer() else f"{s:g}"
+def _scale_name(s:float) -> str: return f"2**{int(math.log2(s))}" if s != 1 and math.log2(s).is_integer() else f"{s:g}"
 
 def _num(x:float) -> str: return f"{x:,.0f}" if 1e3 <= x < 1e7 else f"{x:.3g}" # (65,535 and 65,504 differ to the eye)
 
