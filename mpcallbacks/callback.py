@@ -200,6 +200,7 @@ class MasterMixedPrecision(Callback):
     ): # The axes
         "Plot the loss scale at each optimizer step, with the skipped steps marked"
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
         self.scaler.settle()
         if not len(self.scaler.history): raise ValueError("plot_loss_scale() draws the loss scale of each optimizer step: no step was taken yet. Fit first.")
         if ax is None: _,ax = plt.subplots(figsize=(6, 3), layout='constrained') # (the axis labels inside the figure, also when saved)
@@ -212,6 +213,7 @@ class MasterMixedPrecision(Callback):
         ax.step(starts + [n_steps], scales + [self.scaler.scale], where='post', label='loss scale') # ends at the scale now
         ax.scatter([i for i,_ in skips], [s for _,s in skips], marker='x', color='red', zorder=3, label=f'skipped steps ({len(skips)})')
         ax.set_yscale('log', base=2)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True)) # (steps are whole)
         ax.set_xlabel('optimizer step'); ax.set_ylabel('loss scale'); ax.legend()
         return ax
 
@@ -219,7 +221,7 @@ class MasterMixedPrecision(Callback):
 def fastest_16bit_dtype(
     device:torch.device, # Where the model trains
 ) -> torch.dtype: # `torch.bfloat16` or `torch.float16`
-    "The 16-bit type to train in on `device`: bfloat16 (for its range) unless only float16 is native there; not always the faster of the two"
+    "The 16-bit type `to_mixed()` picks on `device`: bfloat16, for its range, unless only float16 is native there (where both are, float16 can be the faster)"
     return torch.float16 if native_16bit_dtypes(device) == {torch.float16} else torch.bfloat16
 
 # %% ../nbs/03_callback.ipynb #3be30b8c

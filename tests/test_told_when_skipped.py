@@ -4,7 +4,7 @@ import pytest, torch
 from fastai.callback.core import Callback
 from mpcallbacks.test_utils import synth_learner, InjectNonFinite, lagging_flags
 from mpcallbacks.scaler import NonFiniteGradients
-from mpcallbacks.callback import SkippedStepsWarning, LossScale, SkippedSteps
+from mpcallbacks.callback import SkippedStepsWarning, LossScale, SkippedSteps, MasterMixedPrecision
 
 def skipped_warnings(record): return [str(w.message) for w in record if issubclass(w.category, SkippedStepsWarning)]
 
@@ -110,3 +110,7 @@ def test_plot_loss_scale_on_the_learner():
     learn.fit(1, 1e-2, cbs=InjectNonFinite(at=[3]))
     ax = learn.plot_loss_scale()
     assert ax.get_ylabel() == 'loss scale' and 'skipped steps (1)' in [t.get_text() for t in ax.get_legend().get_texts()]
+    short = MasterMixedPrecision(torch.float16) # three steps: matplotlib's own ticks would be 0, 0.5, 1, ...
+    for found_inf in (False, True, False): short.scaler.update(found_inf)
+    ticks = short.plot_loss_scale().get_xticks()
+    assert all(float(t).is_integer() for t in ticks), ticks # optimizer steps are whole
