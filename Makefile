@@ -85,7 +85,8 @@ readme: $(STAMP)
 	$(PY) tools/build_readme.py README.md
 
 # The numbers the README and the docs quote come from the files that measured them (bench/results/: results.md from
-# `make bench`, install.json from tools/measure_install.py, suite.json from tools/measure_suite.py). numbers-check fails
+# `make bench`, cpu_step.md from `python -m bench.step` on a CPU without native bfloat16, install.json from
+# tools/measure_install.py, suite.json from tools/measure_suite.py). numbers-check fails
 # when a cell that renders a sentence from them has a stale saved output (`make numbers` saves the fresh one, then make
 # readme), or a number written next to a link into bench/results (or a link named `measured` or `tested`) is not in
 # the text it cites. A few seconds; tools/check_numbers.py says how.
@@ -135,7 +136,8 @@ dist-check: $(STAMP)
 # and ends with the headline ratios. About 15 minutes on 2 CPU cores, half of them section 8's whole training steps at
 # realistic widths, on every core. `$(PY) -m bench.run --quick`: everything, fewer repeats. Sections alone, from the
 # repository root: `$(PY) -m bench.speed` (whole steps at realistic widths; --help: models, optimizers, fits), then
-# `-m bench.step_peak` (their peak memory), `-m bench.syncs`, `-m bench.memory`, `-m bench.sharded`.
+# `-m bench.step_peak` (their peak memory), `-m bench.syncs`, `-m bench.memory`, `-m bench.sharded`; `-m bench.step` writes
+# section 2's whole steps alone to bench/results/cpu_step.md (the README's figures for a CPU without native bfloat16).
 bench: $(STAMP)
 	$(PY) -m bench.run
 

@@ -120,7 +120,7 @@ def run_bookkeeping_bound_fit(device, rounds:int=16, skip:int=2, bs:int=4, steps
     return dict(model='Linear+LayerNorm x50 (202 tensors, 13.2M)', bs=bs, steps=steps, skip=skip, rounds=rounds, ms=ms,
                 mixed_vs_nonnative=ms['to_mixed'] / ms['fastai non-native (assert removed)'])
 
-def whole_step_section(rows:list, bound:dict, device) -> str:
+def whole_step_section(rows:list, bound:dict|None, device) -> str: # (`bound` None: the table of whole steps alone)
     configs,r0 = list(rows[0]['ms']),rows[0]
     cols = ['model', 'dtype'] + [f'{c} ms' for c in configs] + [
         'to_mixed / hand loop', 'FP32 Learner / FP32 hand loop', "callback's own ms (to_mixed - hand) - (FP32 - hand FP32)"]
@@ -128,7 +128,13 @@ def whole_step_section(rows:list, bound:dict, device) -> str:
             + [as_ratio(r['mixed_vs_hand']), as_ratio(r['learner_vs_hand_fp32']), f"{r['callback_own_ms']:+.2f}"] for r in rows]
     note = ("**fastai AMP (`to_fp16()`/`to_bf16()`) trains FP32 on this CPU**: it uses `autocast('cuda')`, disabled without CUDA.\n\n"
             if device.type != 'cuda' else '')
-    b_rows = [[k, f'{v:.2f}'] for k,v in bound['ms'].items()] + [['**to_mixed / fastai non-native**', as_ratio(bound['mixed_vs_nonnative'])]]
+    if bound is None: b_part = ''
+    else:
+        b_rows = [[k, f'{v:.2f}'] for k,v in bound['ms'].items()] + [['**to_mixed / fastai non-native**', as_ratio(bound['mixed_vs_nonnative'])]]
+        b_part = (f"\n\n#### 2b. Bookkeeping-bound fit: {bound['model']}, bs {bound['bs']}, float16, SGD without momentum\n\n"
+                  f"{bound['rounds']} rounds of short fits ({bound['steps']} steps, the first {bound['skip']} not timed), in turn. "
+                  'fastai non-native = `ModelToHalf` + `NonNativeMixedPrecision(max_loss_scale=2**16)` with only the CUDA assert removed '
+                  '(the same initial scale as ours).\n\n' + md_table(['config', 'ms per training step'], b_rows))
     return ('### 2. Whole training step inside `fit` (median ms per training batch, data loading and validation excluded)\n\n'
             f"Digits, bs 64, Adam (wd=0); {r0['rounds']} rounds of short fits ({r0['steps']} training steps, the first "
             f"{r0['skip']} not timed), the configs taking turns in a rotating order. "
@@ -136,8 +142,37 @@ def whole_step_section(rows:list, bound:dict, device) -> str:
             'fused unscale/check + one `.item()`, step on the masters, copy back), over the same DataLoader, without a Learner. '
             "hand loop FP32 = a plain FP32 loop, to show the Learner's own overhead; the last column is what `to_mixed()` "
             'costs beyond that overhead.\n\n'
-            + note + md_table(cols, body) +
-            f"\n\n#### 2b. Bookkeeping-bound fit: {bound['model']}, bs {bound['bs']}, float16, SGD without momentum\n\n"
-            f"{bound['rounds']} rounds of short fits ({bound['steps']} steps, the first {bound['skip']} not timed), in turn. "
-            'fastai non-native = `ModelToHalf` + `NonNativeMixedPrecision(max_loss_scale=2**16)` with only the CUDA assert removed '
-            '(the same initial scale as ours).\n\n' + md_table(['config', 'ms per training step'], b_rows))
+            + note + md_table(cols, body) + b_part)
+
+
+def main():
+    """`python -m bench.step`: section 2's whole steps alone, on this machine's CPU with one torch thread, written to
+    `bench/results/cpu_step.md` (the README quotes it for a CPU without native bfloat16: run it on one)"""
+    import argparse, os, platform
+    from datetime import datetime, timezone
+    from pathlib import Path
+    import fastai
+    from mpcallbacks.cast import native_16bit_dtypes
+    from .common import cpu_name
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument('--rounds', type=int, default=8, help='short fits of each config (default 8)')
+    ap.add_argument('--out', default=str(Path(__file__).parent/'results'/'cpu_step.md'))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    device = torch.device('cpu')
+    native = ', '.join(sorted(_dtype_name(d) for d in native_16bit_dtypes(device))) or 'none'
+    flags = set(next((l.split(':', 1)[1].split() for l in open('/proc/cpuinfo') if l.startswith('flags')), [])) if os.path.exists('/proc/cpuinfo') else set()
+    vector = ', '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16') if f in flags) or 'not read'
+    start = time.perf_counter()
+    rows = run_whole_step(device, rounds=args.rounds)
+    load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else None
+    text = (f"# Whole training steps on another CPU\n\ntorch {torch.__version__}, fastai {fastai.__version__}, Python "
+            f"{platform.python_version()}; CPU: {cpu_name()}, {os.cpu_count()} cores, 1 torch thread; "
+            f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; 16-bit types computed natively here: {native}; vector instructions: {vector}; {time.perf_counter() - start:.0f} s"
+            + (f", 1-minute load average at the end {load:.1f}" if load is not None else '') + '. Every comparison within the table '
+            'was measured side by side (interleaved rounds) in this run; times are medians.\n\n'
+            + whole_step_section(rows, None, device) + '\n')
+    Path(args.out).write_text(text)
+    print(text)
+
+if __name__ == '__main__': main()
