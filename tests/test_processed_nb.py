@@ -4,7 +4,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT/'tools'))
-from processed_nb import mark_classes, mark_properties # noqa: E402
+from processed_nb import mark_classes, mark_properties, param_tables # noqa: E402
 
 def doc(cls:str, name:str, sig:str) -> str:
     "show_doc's markdown for `cls.name`, as nbdev writes it"
@@ -79,3 +79,17 @@ def test_a_parameters_comment_is_found_after_an_escaped_quote():
     assert _split_comment(line) == (r"""sep:str='it\'s # not a comment',""", 'the separator')
     assert _split_comment('x = "a \\" # b" # c') == ('x = "a \\" # b"', 'c')
     assert _top_level(r"""a='x\', y', b=2""", ',') == len(r"""a='x\', y'""")
+
+def test_a_kwargs_comment_stays_with_kwargs_and_a_none_default_has_no_type():
+    # fastcore's docments hands the comment of a last `**kwargs` line to the return: the table reads it from the source
+    import inspect
+    from fastai.learner import Learner
+    import mpcallbacks.checkpoint # noqa: F401 (Learner.load_checked)
+    line = inspect.getsourcelines(Learner.load_checked)[1]
+    md = (f'---\n\n[source](https://github.com/mpcallbacks/mpcallbacks/blob/main/mpcallbacks/checkpoint.py#L{line})'
+          '{target="_blank" style="float:right; font-size:smaller"}\n\n### Learner.load_checked\n\n```python\ndef load_checked(\n'
+          "    file, # A name\n    device:NoneType=None, # A device\n    **kwargs\n)->Learner: # Passed to `learn.load`: `with_opt`\n```\n\n*doc*")
+    got = param_tables(md)
+    assert "| `**kwargs` |  |  | Passed to `learn.load`: `with_opt`" in got, got
+    assert '**returns**' not in got # (the source's closing line has no comment)
+    assert "| `device` |  | <code>None</code> | A device |" in got and 'device=None,' in got and 'NoneType' not in got

@@ -186,6 +186,23 @@ def _code_cell(text:str) -> str:
 
 _sig_block_re = re.compile(r'```python\n(?P<code>(?:(?!```)[^\n]*\n)+?)```')
 
+_source_re = re.compile(r'\[source\]\(https://github\.com/[^/]+/[^/]+/blob/[^/]+/(?P<path>[^#)]+)#L(?P<line>\d+)\)')
+
+def _source_comments(md:str) -> dict|None:
+    """The comments of the `**kwargs` line and of the closing `)` line of the signature that show_doc's source link points to
+    (fastcore's docments gives a `**kwargs` comment to the return), or None where the source cannot be read"""
+    m = _source_re.search(md)
+    f = Path(__file__).resolve().parent.parent/m['path'] if m else None
+    if f is None or not f.is_file(): return None
+    lines = f.read_text().splitlines()[int(m['line']) - 1:]
+    res = {}
+    for line in lines[1:40]:
+        code,comment = _split_comment(line)
+        if code.lstrip().startswith('**'): res['kwargs'] = comment
+        if code.lstrip().startswith(')'): res['returns'] = comment; return res
+    return None
+
+
 def param_tables(md:str) -> str:
     """A signature that show_doc wrote with a comment on each parameter, shown without the comments, and the parameters
     in a table under the summary: name, type, default and what the comment said (and what it returns)"""
@@ -194,8 +211,12 @@ def param_tables(md:str) -> str:
     lines = m['code'].rstrip('\n').split('\n')
     if len(lines) < 3: return md # a signature on one line reads as it is
     split = [_split_comment(l) for l in lines]
+    if any(c.strip().startswith('**') and not comment for c,comment in split) and (src := _source_comments(md)):
+        split = [(c, src.get('kwargs', comment) if c.strip().startswith('**') else
+                     src.get('returns', comment) if c.strip().startswith(')') else comment) for c,comment in split]
     rows,code = [],[]
     for i,(c,comment) in enumerate(split):
+        c = re.sub(r':\s*NoneType\s*=\s*None\b', '=None', c) # (show_doc's type for an unannotated None default says nothing)
         code.append(c)
         stripped = c.strip()
         if i == len(lines) - 1 or stripped.startswith(')'):
