@@ -162,6 +162,7 @@
       var heads = Array.prototype.map.call(table.querySelectorAll('thead th'), function (th) { return th.textContent.trim(); });
       var cells = table.querySelectorAll('tbody td');
       if (heads[0] === 'Parameter') table.classList.add('param-table'); // (tools/processed_nb.param_tables)
+      if (/^(checked by|where it is checked)/.test(heads[heads.length - 1] || '')) table.classList.add('evidence-table'); // its last column names the tests: set back
       if (heads.length < 3 || !cells.length) return;
       var chars = 0;
       cells.forEach(function (td) { chars += td.textContent.length; });
