@@ -1,4 +1,4 @@
-"""`learn.to_mixed()` adds mixed precision to a fastai learner and `learn.to_unmixed()` removes it. Importing mpcallbacks also makes a mixed learner's fits, inference and export end cleanly however they end.
+"""`learn.to_mixed()` adds mixed precision to a fastai learner and `learn.to_unmixed()` removes it. Importing mpcallbacks also leaves a mixed learner usable when a fit, an inference or an export is interrupted or fails.
 
 Docs: https://mpcallbacks.github.io/mpcallbacks/learner.html.md"""
 
