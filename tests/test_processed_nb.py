@@ -93,3 +93,15 @@ def test_a_kwargs_comment_stays_with_kwargs_and_a_none_default_has_no_type():
     assert "| `**kwargs` |  |  | Passed to `learn.load`: `with_opt`" in got, got
     assert '**returns**' not in got # (the source's closing line has no comment)
     assert "| `device` |  | <code>None</code> | A device |" in got and 'device=None,' in got and 'NoneType' not in got
+
+def test_a_fold_mark_folds_the_cells_up_to_the_next_h2():
+    from bs4 import BeautifulSoup
+    from build_docs import fold_sections
+    cell = lambda inner: f'<div class="jp-Cell">{inner}</div>'
+    soup = BeautifulSoup('<main>' + cell('<h2>Inside</h2><p>For contributors.</p><span data-fold="Show it"></span>')
+                         + cell('<h3 id="probe">Probe</h3>') + cell('<p>more</p>') + cell('<h2>Next</h2>') + '</main>', 'html.parser')
+    fold_sections(soup)
+    fold = soup.select_one('details.section-fold')
+    assert fold.summary.get_text() == 'Show it' and not soup.select('span[data-fold]')
+    assert [c.get_text() for c in fold.select('div.jp-Cell')] == ['Probe', 'more'] # up to the next h2, which stays out
+    assert fold.find_previous_sibling('div').h2.get_text() == 'Inside' and fold.find_next_sibling('div').h2.get_text() == 'Next'

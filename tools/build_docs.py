@@ -125,6 +125,26 @@ def embed_images(soup, folder:Path) -> None:
         img['src'] = f'data:{mime};base64,' + base64.b64encode(f.read_bytes()).decode()
 
 
+def fold_sections(soup) -> None:
+    """A markdown cell holding `<span data-fold="summary"></span>` folds the cells after it, up to the next cell with an h2,
+    into a `<details>` with that summary: a section for contributors (show_doc's API entries included) stays on its page,
+    out of the reader's way; site.js opens the fold when a link or a search hit leads into it"""
+    for mark in soup.select('span[data-fold]'):
+        cell = mark.find_parent('div', class_='jp-Cell')
+        summary = mark['data-fold']
+        mark.decompose()
+        if cell is None: continue
+        rest = []
+        for sib in cell.find_next_siblings('div'):
+            if 'jp-Cell' not in (sib.get('class') or []) or sib.find('h2'): break
+            rest.append(sib)
+        if not rest: continue
+        fold = soup.new_tag('details', attrs={'class': 'section-fold'})
+        head = soup.new_tag('summary'); head.string = summary; fold.append(head)
+        cell.insert_after(fold)
+        for sib in rest: fold.append(sib.extract())
+
+
 def fix_headings(soup) -> list:
     "Give every heading Pandoc's identifier, as Quarto does, and return the page's h2/h3 for its table of contents"
     seen,toc = {},[]
@@ -326,6 +346,7 @@ def build() -> list:
         if soup.title: soup.title.string = title if title == cfg.title else f'{title} | {cfg.title}'
         render_math(soup)
         embed_images(soup, proc)
+        fold_sections(soup)
         toc = fix_headings(soup)
         fix_links(soup, site_url, pages)
         fix_source_links(soup, syms)

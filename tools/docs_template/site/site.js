@@ -184,5 +184,13 @@
     header.parentNode.insertBefore(box, header.nextSibling);
   }
 
-  document.addEventListener('DOMContentLoaded', function () { setupSidebar(); setupCopyButtons(); setupSearch(); setupProseTables(); setupInlineToc(); });
+  /* A link or a search hit into a folded section (build_docs.fold_sections) opens the folds around its target */
+  function openFoldsForHash() {
+    var id = decodeURIComponent(location.hash.slice(1)), el = id && document.getElementById(id), changed = false;
+    for (var e = el; e; e = e.parentElement) if (e.tagName === 'DETAILS' && !e.open) { e.open = true; changed = true; }
+    if (changed) el.scrollIntoView();
+  }
+  window.addEventListener('hashchange', openFoldsForHash);
+
+  document.addEventListener('DOMContentLoaded', function () { setupSidebar(); setupCopyButtons(); setupSearch(); setupProseTables(); setupInlineToc(); openFoldsForHash(); });
 })();
