@@ -21,70 +21,6 @@ from .fused import OptimizerWithScaler, scaler_key # (their earlier home: import
 # %% auto #0
 __all__ = ['replacing_file']
 
-# %% ../nbs/05a_checkpoint.ipynb #75a27a17
-def _alive(pid:int) -> bool:
-    try: os.kill(pid, 0) # signal 0: nothing is sent, the process is only looked up
-    except ProcessLookupError: return False
-    except PermissionError: return True
-    return True
-
-def _drop_stale(folder:Path) -> None:
-    "Remove the temporary files that killed saves left in `folder`, whatever file they were for (POSIX: elsewhere `os.kill` would end it)"
-    if os.name != 'posix': return
-    for old in folder.glob('.?*.*.tmp'): # `.{name}.{pid}.tmp`, as `replacing_file` names them
-        pid = old.name[:-4].rpartition('.')[2]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            try: old.unlink(missing_ok=True)
-            except OSError: pass # (a folder this process may not write to: a save there fails, and says why)
-
-def _disk_full(e:BaseException) -> bool:
-    "Whether `e` is a write that ran out of disk: `OSError(ENOSPC)`, or torch's zip writer's `unexpected pos` after one"
-    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (isinstance(e, RuntimeError) and 'unexpected pos' in str(e))
-
-_elsewhere = "save elsewhere (`learn.path`, `learn.model_dir`)"
-_cannot_write = { # What stops a write to a file through its temporary file, and what to do, by errno
-    errno.EACCES: f"this process may not write to {{folder}}: {_elsewhere}, or make the folder writable",
-    errno.EPERM: f"this process may not write to {{folder}}: {_elsewhere}, or make the folder writable",
-    errno.EROFS: f"{{folder}} is on a read-only file system: {_elsewhere}",
-    errno.EISDIR: "{path} is a folder: save under another name, or move the folder away",
-    errno.ENOTDIR: f"a part of {{folder}} is a file, not a folder: {_elsewhere}",
-    errno.EEXIST: f"a part of {{folder}} is a file, not a folder: {_elsewhere}",
-    errno.ENAMETOOLONG: "the name is too long for the temporary file `.{name}.<pid>.tmp` written next to it first: use a shorter name",
-}
-
-def _write_error(e:OSError, path:Path, tmp:Path) -> OSError|None:
-    "`e`, raised while writing `path` through `tmp`, as an error of its type that names `path` and what to do; None where it is about another file, or another cause"
-    ours = {str(tmp), str(path), *map(str, path.parents)}
-    if e.errno not in _cannot_write or not (e.filename is None or str(e.filename) in ours): return None
-    why = _cannot_write[e.errno].format(path=path, folder=path.parent, name=path.name)
-    return type(e)(e.errno, f"Cannot write {path} ({e.strerror}): {why}. Nothing was replaced: the previous file, if any, is intact", str(path))
-
-@contextmanager
-def replacing_file(
-    path:Path, # The file to write: replaced whole once written, or left as it was
-): # A context manager giving the temporary file's path
-    "A temporary file in `path`'s folder to write to; it becomes `path` only once written and flushed to the disk"
-    path = Path(path)
-    tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
-    try:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _drop_stale(path.parent)
-            yield tmp
-            with open(tmp, 'rb+') as f: os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except Exception as e:
-            if _disk_full(e):
-                raise OSError(errno.ENOSPC, f"No space left on the disk of {path.parent} ({shutil.disk_usage(path.parent).free:,} "
-                              f"bytes free) to write {path.name}: nothing was replaced, the previous file is intact. Free "
-                              "some space, or save elsewhere (`learn.path`, `learn.model_dir`).") from e
-            err = _write_error(e, path, tmp) if isinstance(e, OSError) else None
-            if err is None: raise
-            raise err from e # (the error of the hidden temporary file names it: this one names the file asked for)
-    finally:
-        try: tmp.unlink(missing_ok=True)
-        except OSError: pass # (a folder that could not be written to holds no temporary file)
-
 # %% ../nbs/05a_checkpoint.ipynb #c3e0a9d1
 def _check_name(
     arg:str, # The argument's name
@@ -183,6 +119,70 @@ def export_atomic(self:Learner,
         with replacing_file(path) as tmp: self.export(Path(fname).with_name(tmp.name), **kwargs) # fastai writes to `self.path/fname`
     finally: _put_back(self, held)
     return path
+
+# %% ../nbs/05a_checkpoint.ipynb #75a27a17
+def _alive(pid:int) -> bool:
+    try: os.kill(pid, 0) # signal 0: nothing is sent, the process is only looked up
+    except ProcessLookupError: return False
+    except PermissionError: return True
+    return True
+
+def _drop_stale(folder:Path) -> None:
+    "Remove the temporary files that killed saves left in `folder`, whatever file they were for (POSIX: elsewhere `os.kill` would end it)"
+    if os.name != 'posix': return
+    for old in folder.glob('.?*.*.tmp'): # `.{name}.{pid}.tmp`, as `replacing_file` names them
+        pid = old.name[:-4].rpartition('.')[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            try: old.unlink(missing_ok=True)
+            except OSError: pass # (a folder this process may not write to: a save there fails, and says why)
+
+def _disk_full(e:BaseException) -> bool:
+    "Whether `e` is a write that ran out of disk: `OSError(ENOSPC)`, or torch's zip writer's `unexpected pos` after one"
+    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (isinstance(e, RuntimeError) and 'unexpected pos' in str(e))
+
+_elsewhere = "save elsewhere (`learn.path`, `learn.model_dir`)"
+_cannot_write = { # What stops a write to a file through its temporary file, and what to do, by errno
+    errno.EACCES: f"this process may not write to {{folder}}: {_elsewhere}, or make the folder writable",
+    errno.EPERM: f"this process may not write to {{folder}}: {_elsewhere}, or make the folder writable",
+    errno.EROFS: f"{{folder}} is on a read-only file system: {_elsewhere}",
+    errno.EISDIR: "{path} is a folder: save under another name, or move the folder away",
+    errno.ENOTDIR: f"a part of {{folder}} is a file, not a folder: {_elsewhere}",
+    errno.EEXIST: f"a part of {{folder}} is a file, not a folder: {_elsewhere}",
+    errno.ENAMETOOLONG: "the name is too long for the temporary file `.{name}.<pid>.tmp` written next to it first: use a shorter name",
+}
+
+def _write_error(e:OSError, path:Path, tmp:Path) -> OSError|None:
+    "`e`, raised while writing `path` through `tmp`, as an error of its type that names `path` and what to do; None where it is about another file, or another cause"
+    ours = {str(tmp), str(path), *map(str, path.parents)}
+    if e.errno not in _cannot_write or not (e.filename is None or str(e.filename) in ours): return None
+    why = _cannot_write[e.errno].format(path=path, folder=path.parent, name=path.name)
+    return type(e)(e.errno, f"Cannot write {path} ({e.strerror}): {why}. Nothing was replaced: the previous file, if any, is intact", str(path))
+
+@contextmanager
+def replacing_file(
+    path:Path, # The file to write: replaced whole once written, or left as it was
+): # A context manager giving the temporary file's path
+    "A temporary file in `path`'s folder to write to; it becomes `path` only once written and flushed to the disk"
+    path = Path(path)
+    tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
+    try:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _drop_stale(path.parent)
+            yield tmp
+            with open(tmp, 'rb+') as f: os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except Exception as e:
+            if _disk_full(e):
+                raise OSError(errno.ENOSPC, f"No space left on the disk of {path.parent} ({shutil.disk_usage(path.parent).free:,} "
+                              f"bytes free) to write {path.name}: nothing was replaced, the previous file is intact. Free "
+                              "some space, or save elsewhere (`learn.path`, `learn.model_dir`).") from e
+            err = _write_error(e, path, tmp) if isinstance(e, OSError) else None
+            if err is None: raise
+            raise err from e # (the error of the hidden temporary file names it: this one names the file asked for)
+    finally:
+        try: tmp.unlink(missing_ok=True)
+        except OSError: pass # (a folder that could not be written to holds no temporary file)
 
 # %% ../nbs/05a_checkpoint.ipynb #6d6a47e3
 def _torch_load(path:Path, **torch_load_kwargs):

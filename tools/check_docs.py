@@ -37,8 +37,9 @@ PROGRESS_RE = re.compile(r'\d{1,3}\.\d\d% \[\d+/\d+ [\d:]+<|\d{1,3}%\|[█▉▊
 LOCAL_PATH_RE = re.compile(r'(?<![\w./:])(?:/(?:home|root|tmp|work|Users|usr|opt|var|private|mnt|srv)/[^\s\'"():]+|'
                            r'[A-Za-z]:\\[^\s\'"]+)|\S*site-packages\S*')
 # Typed into the search box on the home page; the first hit is followed and must land on `page` at an existing anchor
-SEARCHES = [('LossScaler', 'scaler.html'), ('growth interval', None), ('to_unmixed', None),
-            ('flush to zero', None)]
+SEARCHES = [('LossScaler', 'scaler.html#lossscaler'), ('growth interval', None), ('to_unmixed', None),
+            ('flush to zero', None), ('loss scale', 'tutorial.html'), ('nan', 'troubleshooting.html'),
+            ('resume', 'checkpoint.html')]
 # Markdown link syntax left visible: a link inside a link (nbdev links `name` in backticks itself), or a typo
 RAW_LINK_RE = re.compile(r'\]\((?:https?://|[\w./-]+\.(?:html|ipynb))[^)\s]*\)')
 
@@ -386,7 +387,8 @@ def check_search(browser:DevToolsPipe, session:str, docs:Path, ids:dict) -> tupl
         seen.append(f'{query!r}: {len(hits)} hits, Enter -> {page}#{anchor}')
         if f'{page}#{anchor}'.rstrip('#') != hits[0][0].rstrip('#'): problems.append(f'search for {query!r}: Enter opened {page}#{anchor}, not the first hit {hits[0][0]}')
         if anchor and not found: problems.append(f'search for {query!r}: the first hit {hits[0][0]} has no such anchor')
-        if expected and page != expected: problems.append(f'search for {query!r}: first hit is on {page}, expected {expected}')
+        where = f'{page}#{anchor}' if expected and '#' in expected else page # (a page, or a page and its section)
+        if expected and where != expected: problems.append(f'search for {query!r}: first hit is {where}, expected {expected}')
         text = evaluate(browser, session, "JSON.stringify(document.body.innerText.toLowerCase())")
         missing = [w for w in query.lower().split() if w not in text]
         if missing: problems.append(f'search for {query!r}: {page} does not contain {missing}')

@@ -90,10 +90,11 @@
       for (var i = 0; i < toks.length; i++) {
         var h = wordPrefixCount(d.head, toks[i]), x = wordPrefixCount(d.text, toks[i]);
         if (!h && !x) return;
-        score += 10 * h + Math.min(x, 10);
+        score += 10 * Math.min(h, 1) + Math.min(x, 10); // a heading holds a word or not: `LossScaler.from_loss_scale` says it three times
       }
       // a section whose heading holds the query as typed ("loss scale") before those that hold its words apart
       if (toks.length > 1 && d.sec.indexOf(toks.join(' ')) !== -1) score += 25;
+      if (d.sec === toks.join(' ')) score += 10; // the section named as typed: `LossScaler` before `LossScaler.settle`
       if (d.e.a === '') score -= 1; // a page's top before its sections when they tie
       if (d.e.i) score -= 15; // the Internals and the examples' helpers after the guides and the API, unless named
       hits.push({d: d, score: score});
