@@ -106,7 +106,7 @@ class LossScaler:
         backoff_factor:float=.5, # Multiply the scale by this on a step with inf/NaN gradients
         growth_interval:int=2000, # Good steps in a row before the scale grows
         min_scale:float=1., # The scale never backs off below this
-        max_consecutive_skips:int|None=None, # Skips in a row that raise `NonFiniteGradients`; None: back-offs from the scale where the skips began to `min_scale`, plus 25
+        max_consecutive_skips:int|None=None, # Skips in a row that raise `NonFiniteGradients`; None: as many as halve the scale from where the skips began down to `min_scale`, plus 25
     ):
         self._pending = [] # The flags (`InFlightFlag`) of steps recorded on the device (`update` with a tensor), not read yet, oldest first
         self._on_device = None # The scale and growth tracker those steps moved to, on the device (float64); None: the host's are current
