@@ -26,7 +26,7 @@ class MasterMixedPrecision(Callback):
     order = 10 # as fastai's `MixedPrecision`: before GradientClip (11) and before DistributedTrainer (11) wraps the model
     @delegates(LossScaler.__init__, but=['dynamic'])
     def __init__(self,
-        dtype:torch.dtype|str|None=None, # `torch.float16` or `torch.bfloat16`; None: bfloat16 unless only float16 is native on the fit's device (`fastest_16bit_dtype`)
+        dtype:torch.dtype|str|None=None, # `torch.float16` or `torch.bfloat16`, or a name: 'fp16', 'float16', 'half', 'bf16', 'bfloat16'; None: bfloat16 unless only float16 is native on the fit's device (`fastest_16bit_dtype`)
         loss_scale:str|float|None='auto', # 'dynamic', a positive number (static) or None; 'auto': dynamic for float16, None for bfloat16
         keep_fp32:tuple|str=(), # More module types or name patterns to keep in FP32 (normalization layers always are); 'auto': also what the precision doctor finds 16 bits would break
         mixed_inference:bool=False, # `get_preds`/`validate`/`predict` outside a fit in 16 bits too; False: in FP32, as the exported learner

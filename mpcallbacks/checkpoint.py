@@ -1,4 +1,4 @@
-"""The loss scaler's state in fastai's checkpoints, and saves, exports and loads that a crash, a full disk or a bad file cannot half-do.
+"""The loss scaler's state in fastai's checkpoints, and saves, exports and loads that a crash, a full disk or a bad file cannot leave half-done.
 
 Docs: https://mpcallbacks.github.io/mpcallbacks/checkpoint.html.md"""
 

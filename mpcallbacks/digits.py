@@ -15,7 +15,7 @@ __all__ = ['digits_dls', 'digits_cnn', 'param_bytes']
 def digits_dls(
     bs:int=64, # Batch size
     seed:int=0, # Seed of the train/valid split and of the shuffling
-    device='cpu', # Where batches go
+    device:str|torch.device='cpu', # Where batches go: a device, or its name
 ) -> DataLoaders: # Images as (1, 8, 8) float tensors, labels 0-9
     "scikit-learn's digits as fastai `DataLoaders`, split 80/20"
     try: from sklearn.datasets import load_digits # an optional dependency: the example data only
@@ -28,7 +28,7 @@ def digits_dls(
     # fastai's `Datasets` of (image, label) pairs, not plain lists: `learn.export` empties the datasets (`new_empty`)
     dsets = Datasets(list(zip(x, y)), tfms=[[ItemGetter(0)], [ItemGetter(1)]], splits=[idx[n_valid:].tolist(), idx[:n_valid].tolist()])
     set_seed(seed)
-    return dsets.dataloaders(bs=bs, num_workers=0, device=device)
+    return dsets.dataloaders(bs=bs, num_workers=0, device=torch.device(device)) # (a name too: fastai reads `dls.device.type`)
 
 # %% ../nbs/04_digits.ipynb #1cf08c2d
 def digits_cnn(

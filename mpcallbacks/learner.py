@@ -66,7 +66,7 @@ def _torch_version() -> tuple: return tuple(int(x) for x in torch.__version__.sp
 @patch
 @delegates(MasterMixedPrecision.__init__)
 def to_mixed(self:Learner,
-    dtype:torch.dtype|str|None=None, # `torch.float16` or `torch.bfloat16`; None: bfloat16 unless only float16 is native on the learner's device
+    dtype:torch.dtype|str|None=None, # `torch.float16` or `torch.bfloat16`, or a name: 'fp16', 'float16', 'half', 'bf16', 'bfloat16'; None: bfloat16 unless only float16 is native on the learner's device
     *args, # (none: every other argument is passed by name)
     **kwargs
 ) -> Learner: # The learner itself, with one `MasterMixedPrecision` callback

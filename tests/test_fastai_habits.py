@@ -141,3 +141,10 @@ def test_loss_scale_errors_list_every_allowed_value():
 def test_a_second_positional_argument_names_the_keyword():
     with pytest.raises(TypeError, match=r"pass the others by name, e.g. to_mixed\(torch.bfloat16, loss_scale='dynamic'\)"):
         synth_learner().to_mixed(torch.bfloat16, 'dynamic')
+
+def test_the_example_data_on_a_device_named_by_a_string_gives_fastai_a_device():
+    # the README's advice for a Mac, `digits_dls(device='cpu')`: fastai's own code reads `dls.device.type`
+    for device in ('cpu', torch.device('cpu')):
+        dls = digits_dls(device=device)
+        assert isinstance(dls.device, torch.device) and dls.device.type == 'cpu'
+        assert dls.one_batch()[0].device.type == 'cpu'

@@ -39,7 +39,7 @@ LOCAL_PATH_RE = re.compile(r'(?<![\w./:])(?:/(?:home|root|tmp|work|Users|usr|opt
 # Typed into the search box on the home page; the first hit is followed and must land on `page` at an existing anchor
 SEARCHES = [('LossScaler', 'scaler.html#lossscaler'), ('growth interval', None), ('to_unmixed', None),
             ('flush to zero', None), ('loss scale', 'tutorial.html'), ('nan', 'troubleshooting.html'),
-            ('resume', 'checkpoint.html')]
+            ('resume', 'checkpoint.html'), ('to_mixed', 'learner.html#learner.to_mixed')]
 # Markdown link syntax left visible: a link inside a link (nbdev links `name` in backticks itself), or a typo
 RAW_LINK_RE = re.compile(r'\]\((?:https?://|[\w./-]+\.(?:html|ipynb))[^)\s]*\)')
 

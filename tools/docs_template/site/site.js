@@ -94,7 +94,9 @@
       }
       // a section whose heading holds the query as typed ("loss scale") before those that hold its words apart
       if (toks.length > 1 && d.sec.indexOf(toks.join(' ')) !== -1) score += 25;
-      if (d.sec === toks.join(' ')) score += 10; // the section named as typed: `LossScaler` before `LossScaler.settle`
+      // the section named as typed, its class's name or not: `LossScaler` before `LossScaler.settle`, and
+      // `Learner.to_mixed` first for "to_mixed"
+      if (d.sec === toks.join(' ') || d.sec.split('.').pop() === toks.join(' ')) score += 10;
       if (d.e.a === '') score -= 1; // a page's top before its sections when they tie
       if (d.e.i) score -= 15; // the Internals and the examples' helpers after the guides and the API, unless named
       hits.push({d: d, score: score});
