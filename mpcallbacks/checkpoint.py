@@ -457,6 +457,14 @@ def _misfits(learn:Learner, state, with_opt:bool, strict:bool) -> list: # What d
         except (ValueError, TypeError, KeyError) as e: res.append(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
     return res
 
+def _dropped_scale(learn:Learner, state, with_opt:bool) -> float|None: # The loss scale the load would drop, if any
+    "The scale of the loss scaler's state in the checkpoint `state`, where `learn` has no loss scaler to take it (no `to_mixed()`) and it matters: a dynamic scale, or a static one other than 1"
+    saved = state.get('opt') if with_opt and isinstance(state, dict) and set(state) == {'model', 'opt'} else None
+    entry = saved.get(scaler_key) if isinstance(saved, dict) else None
+    if not isinstance(entry, dict) or isinstance(learn.opt, OptimizerWithScaler): return None
+    scale = entry.get('scale')
+    return scale if isinstance(scale, numbers.Real) and (entry.get('dynamic') or scale != 1) else None
+
 @contextmanager
 def _holding_errors(opt): # A list: what `opt.load_state_dict` raised during the block, if anything
     "For the length of the block, whatever `opt.load_state_dict` raises (an error, a Ctrl-C) is held in the list it gives, not raised: fastai's `load_model` calls it inside a bare `except:` that would swallow it, and keep the weights it loaded"
@@ -491,6 +499,7 @@ def load_checked(self:Learner,
         state = _read_checkpoint(path, **{k:v for k,v in kwargs.items() if k not in ('with_opt', 'strict')})
         misfits = _misfits(self, state, kwargs.get('with_opt', True), kwargs.get('strict', True))
         if misfits: raise ValueError(f"{path} does not fit this learner, so nothing was loaded:\n- " + '\n- '.join(misfits))
+        dropped = _dropped_scale(self, state, kwargs.get('with_opt', True))
         del state # (memory-mapped: fastai's load reads the file again, onto `device`)
         held = _held(self, weights=True)
         try:
@@ -502,4 +511,7 @@ def load_checked(self:Learner,
     except BaseException:
         if created: self.opt = None
         raise
+    if dropped is not None:
+        warnings.warn(f"{path} holds a loss scale, {dropped:g}, that this learner has no `to_mixed()` to keep: it was not loaded. To "
+                      "resume mixed training with it, call `learn.to_mixed(...)` before `load_checked`.", stacklevel=2)
     return self

@@ -303,3 +303,24 @@ def test_load_checked_names_a_bad_argument_before_anything_changes(tmp_path, arg
     w = [p.detach().clone() for p in learn.model.parameters()]
     with pytest.raises(error, match=match): call_lock_free(learn.load_checked, *args, **kwargs)
     assert learn.opt is None and all(torch.equal(a, b) for a, b in zip(w, learn.model.parameters()))
+
+def test_a_checkpoints_loss_scale_that_a_learner_without_to_mixed_drops_is_warned_of(tmp_path):
+    "Loading before `to_mixed()` drops the saved scale: `load_checked` says so, and loads the rest"
+    src = synth_learner(path=tmp_path).to_mixed(torch.float16, init_scale=2.**10)
+    src.fit(1, 1e-2); src.save('ck')
+    scale = src.master_mixed_precision.loss_scale
+    plain = synth_learner(path=tmp_path, seed=1)
+    with pytest.warns(UserWarning, match=rf"holds a loss scale, {scale:g}, .* call `learn.to_mixed\(...\)` before `load_checked`"):
+        plain.load_checked('ck')
+    for a,b in zip(plain.model.parameters(), src.model.parameters()): assert torch.equal(a, b) # (the rest loaded)
+    def no_warning(load):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always')
+            load()
+        assert not [x for x in w if 'loss scale' in str(x.message)], [str(x.message) for x in w]
+    mixed = synth_learner(path=tmp_path, seed=1).to_mixed(torch.float16)
+    no_warning(lambda: mixed.load_checked('ck')) # the right order: the scale comes back
+    assert mixed.master_mixed_precision.loss_scale == scale
+    no_warning(lambda: synth_learner(path=tmp_path, seed=1).load_checked('ck', with_opt=False)) # (no optimizer state asked for)
+    trained(tmp_path).save('bf') # bfloat16: a static scale of 1, nothing to resume
+    no_warning(lambda: synth_learner(path=tmp_path, seed=1).load_checked('bf'))
