@@ -106,12 +106,3 @@ def test_a_fold_mark_folds_the_cells_up_to_the_next_h2():
     assert [c.get_text() for c in fold.select('div.jp-Cell')] == ['Probe', 'more'] # up to the next h2, which stays out
     assert fold.find_previous_sibling('div').h2.get_text() == 'Inside' and fold.find_next_sibling('div').h2.get_text() == 'Next'
 
-def test_names_in_table_cells_and_headings_wrap_after_dots_and_underscores():
-    from bs4 import BeautifulSoup
-    from build_docs import break_table_names
-    soup = BeautifulSoup('<div class="jp-RenderedHTMLCommon"><h2>Keeping: <code>to_mixed(keep_fp32=1)</code></h2>'
-                         '<table><tr><td><code>learn.loss_scale</code></td></tr></table><p><code>a_b</code></p></div>', 'html.parser')
-    break_table_names(soup)
-    assert str(soup.h2.code) == '<code>to_<wbr/>mixed(keep_<wbr/>fp32=1)</code>' and soup.h2.get_text() == 'Keeping: to_mixed(keep_fp32=1)'
-    assert str(soup.td.code) == '<code>learn.<wbr/>loss_<wbr/>scale</code>'
-    assert str(soup.p.code) == '<code>a_b</code>' # (prose wraps as it does: only tables and headings)

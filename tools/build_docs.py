@@ -254,9 +254,8 @@ def toc_html(toc:list, issue_url:str='') -> str:
 
 
 def break_table_names(soup) -> None:
-    """Names in code in table cells and headings may wrap after `.` and `_`: a table of events fits a phone instead of
-    scrolling, and a heading's `to_mixed(keep_fp32='auto')` breaks between words, not at the letter that hits the edge"""
-    for code in soup.select('.jp-RenderedHTMLCommon :is(td, th, h1, h2, h3, h4) > code'):
+    "Names in code in table cells may wrap after `.` and `_`, so that a table of events fits a phone instead of scrolling"
+    for code in soup.select('.jp-RenderedHTMLCommon td > code, .jp-RenderedHTMLCommon th > code'):
         for text in list(code.find_all(string=_name_break_re)):
             text.replace_with(BeautifulSoup(breakable(str(text)), 'html.parser'))
 
