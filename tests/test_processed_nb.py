@@ -105,4 +105,3 @@ def test_a_fold_mark_folds_the_cells_up_to_the_next_h2():
     assert fold.summary.get_text() == 'Show it' and not soup.select('span[data-fold]')
     assert [c.get_text() for c in fold.select('div.jp-Cell')] == ['Probe', 'more'] # up to the next h2, which stays out
     assert fold.find_previous_sibling('div').h2.get_text() == 'Inside' and fold.find_next_sibling('div').h2.get_text() == 'Next'
-

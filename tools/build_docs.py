@@ -255,7 +255,7 @@ def toc_html(toc:list, issue_url:str='') -> str:
 
 def break_table_names(soup) -> None:
     "Names in code in table cells may wrap after `.` and `_`, so that a table of events fits a phone instead of scrolling"
-    for code in soup.select('.jp-RenderedHTMLCommon td > code, .jp-RenderedHTMLCommon th > code'):
+    for code in soup.select('.jp-RenderedHTMLCommon td > code'): # (a column's name stays whole: site.css)
         for text in list(code.find_all(string=_name_break_re)):
             text.replace_with(BeautifulSoup(breakable(str(text)), 'html.parser'))
 
