@@ -177,6 +177,18 @@
     });
   }
 
+  /* A table wider than the page scrolls sideways inside itself (site.css): a shade at its right edge says that more
+     columns lie beyond it, until it is scrolled to its end */
+  function setupScrollCues() {
+    document.querySelectorAll('.jp-RenderedHTMLCommon table').forEach(function (table) {
+      var box = document.createElement('div');
+      box.className = 'table-scroll';
+      table.parentNode.insertBefore(box, table); box.appendChild(table);
+      function mark() { box.classList.toggle('more-right', table.scrollLeft + table.clientWidth < table.scrollWidth - 1); }
+      table.addEventListener('scroll', mark, { passive: true }); window.addEventListener('resize', mark); mark();
+    });
+  }
+
   /* Below 75rem the side table of contents is hidden (site.css): its list goes, folded, under the page's title */
   function setupInlineToc() {
     var list = document.querySelector('.site-toc ul'), header = document.querySelector('.page-header');
@@ -195,5 +207,5 @@
   }
   window.addEventListener('hashchange', openFoldsForHash);
 
-  document.addEventListener('DOMContentLoaded', function () { setupSidebar(); setupCopyButtons(); setupSearch(); setupProseTables(); setupInlineToc(); openFoldsForHash(); });
+  document.addEventListener('DOMContentLoaded', function () { setupSidebar(); setupCopyButtons(); setupSearch(); setupProseTables(); setupScrollCues(); setupInlineToc(); openFoldsForHash(); });
 })();
