@@ -162,6 +162,8 @@
      column's name (CSS, `.prose-table`), where scrolling sideways would hide the last columns */
   function setupProseTables() {
     document.querySelectorAll('.jp-RenderedHTMLCommon table').forEach(function (table) {
+      // a DataFrame's cells are right-aligned, for numbers: a sentence in one (a report's reason) reads from the left
+      table.querySelectorAll('td').forEach(function (td) { if (td.textContent.trim().length > 24 && td.textContent.indexOf(' ') >= 0) td.classList.add('text-cell'); });
       var heads = Array.prototype.map.call(table.querySelectorAll('thead th'), function (th) { return th.textContent.trim(); });
       var cells = table.querySelectorAll('tbody td');
       if (heads[0] === 'Parameter') table.classList.add('param-table'); // (tools/processed_nb.param_tables)
