@@ -256,7 +256,7 @@ class MixedFit:
         if not found: return self.grads.stepping()
         self.grads.skip()
         if loss: self.skip_loss = _loss_at_skip(loss[0])
-        self._stop_on_storm(self.scaler.update, True)
+        self._stop_on_storm(self.scaler.update, True, self.skip_loss if loss else None) # (the loss: said first if a storm follows)
         self._check_loss()
         raise CancelStepException()
 

@@ -131,6 +131,7 @@ class LossScaler:
         self.scale = _f32(init_scale)
         self.growth_tracker,self.skipped,self.consecutive_skips = 0,0,0
         self._run_start = None # The scale at the first skip of the current run of skips; None between runs
+        self._run_loss = None # The loss at that skip, where `update` was given it
         self.history = ScaleHistory() # The scale each step used, and whether it was skipped
         self.last_skip_loss = None # The loss of the last skipped step the host has recorded, where `update` was given it
 
@@ -232,7 +233,7 @@ class LossScaler:
 
     def update(self,
         found_inf:bool|Tensor, # Whether this step's gradients had an inf or a NaN (the step was skipped); a tensor: its flag, not read yet
-        loss:Tensor|None=None, # With a flag tensor: the step's loss, carried to the host with it (`last_skip_loss`)
+        loss:Tensor|float|None=None, # The step's loss where known (`last_skip_loss`): with a flag tensor, a tensor carried to the host with it; with a bool, a float
     ) -> None:
         "Record one optimizer step and move the scale by the dynamic rule; a flag tensor is read once it has landed on the host, with no wait"
         if isinstance(found_inf, Tensor):
@@ -242,7 +243,7 @@ class LossScaler:
                 self._update_on_device(flag)
                 stop = self._read_landed()
                 if stop is None and len(self._pending) >= self.settle_every: stop = self.settle()
-        else: stop = self._record(bool(found_inf))
+        else: stop = self._record(bool(found_inf), loss)
         if stop: raise NonFiniteGradients(stop)
 
     def _moved(self, scale, tracker, found): # (the next scale, the next growth tracker)
@@ -268,7 +269,7 @@ class LossScaler:
             self.consecutive_skips,self._run_start = 0,None
             return None
         self.last_skip_loss = loss
-        if self.consecutive_skips == 0: self._run_start = self.history[-1][0] # (the scale this step used)
+        if self.consecutive_skips == 0: self._run_start,self._run_loss = self.history[-1][0],loss # (the scale this step used)
         self.skipped += 1
         self.consecutive_skips += 1
         return self._stop_message() if self.consecutive_skips >= self.max_consecutive_skips else None
@@ -305,7 +306,8 @@ class LossScaler:
         return next((s for s in stops if s), None)
 
     def _stop_message(self) -> str:
-        causes = ["the loss or the inputs/targets are non-finite (check the data for NaN/inf)", "the learning rate is too high"]
+        nan_loss = self._run_loss is not None and not math.isfinite(self._run_loss) # (a loss no scale fixes: said first)
+        causes = ([] if nan_loss else ["the loss or the inputs/targets are non-finite (check the data for NaN/inf)"]) + ["the learning rate is too high"]
         if not self.dynamic and self.scale > 1:
             causes.insert(0, f"the static loss scale {self.scale:g} makes the gradients overflow (use loss_scale='dynamic', or a smaller scale)")
         elif self.dynamic and self.scale <= self.min_scale:
@@ -314,6 +316,10 @@ class LossScaler:
             causes.insert(0, f"the scale is still backing off: from {self._run_start:g}, where these skips began, it needs "
                              f"{self._backoffs(self._run_start)} back-offs to reach min_scale={self.min_scale:g}, more than "
                              f"max_consecutive_skips={self.max_consecutive_skips} allows (raise it, or leave it None to follow the scale)")
+        if nan_loss:
+            causes.insert(0, f"the loss was {self._run_loss} at the first of them, which no loss scale fixes: the inputs or targets "
+                             "are not finite (check the data for NaN/inf), or the model's forward overflows in 16 bits "
+                             "(`learn.precision_report()` finds where)")
         return (f"{self.consecutive_skips} optimizer steps in a row had inf/NaN gradients (loss scale now {self.scale:g}), so "
                 f"nothing has been learned since. Likely causes: {'; or '.join(causes)}.")
 
@@ -347,6 +353,7 @@ class LossScaler:
         v = self.check_state_dict(sd)
         self.settle()
         self.skipped = v['skipped']
+        self._run_loss = None # (not saved: a loaded run of skips names no loss)
         if 'history' in v: self.history.runs = v['history'] # (loaded back after `lr_find`, its steps are gone from the plot)
         # A run of skips and a growth count were counted at the checkpoint's scale: they go on only where that scale does
         if self.dynamic != v['dynamic'] or (not self.dynamic and _f32(v['scale']) != self.scale):

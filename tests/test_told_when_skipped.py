@@ -114,3 +114,28 @@ def test_plot_loss_scale_on_the_learner():
     for found_inf in (False, True, False): short.scaler.update(found_inf)
     ticks = short.plot_loss_scale().get_xticks()
     assert all(float(t).is_integer() for t in ticks), ticks # optimizer steps are whole
+
+@pytest.mark.parametrize('dtype,opt,lag', [(torch.float16, 'fastai Adam', 0), (torch.float16, 'fused AdamW', 0),
+                                           (torch.float16, 'fused AdamW', 2), (torch.bfloat16, 'fastai Adam', 0)])
+def test_a_run_of_skips_begun_by_a_nan_loss_names_that_loss_first(dtype, opt, lag):
+    "Stopped by max_consecutive_skips, a run of skips whose first step's loss was NaN says so as its first likely cause"
+    from functools import partial
+    from fastai.basics import OptimWrapper
+    kw = dict(opt_func=partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))) if opt == 'fused AdamW' else {}
+    learn = synth_learner(**kw).to_mixed(dtype, max_consecutive_skips=20)
+    with warnings.catch_warnings(), lagging_flags(lag), pytest.raises(NonFiniteGradients) as e:
+        warnings.simplefilter('ignore')
+        learn.fit(5, 1e-2, cbs=NaNInputs())
+    msg = str(e.value)
+    assert msg.startswith('20 optimizer steps in a row'), msg
+    assert msg.split('Likely causes: ')[1].startswith('the loss was nan at the first of them, which no loss scale fixes'), msg
+
+def test_a_run_of_skips_with_a_finite_loss_names_no_loss():
+    "Overflowing gradients with finite losses: the stop message keeps its causes, and speaks of no loss"
+    learn = synth_learner().to_mixed(torch.float16, max_consecutive_skips=20)
+    with warnings.catch_warnings(), pytest.raises(NonFiniteGradients) as e:
+        warnings.simplefilter('ignore')
+        learn.fit(5, 1e-2, cbs=InjectNonFinite(at=range(40)))
+    msg = str(e.value)
+    assert msg.startswith('20 optimizer steps in a row') and 'the loss was' not in msg, msg
+    assert 'the loss or the inputs/targets are non-finite' in msg, msg
