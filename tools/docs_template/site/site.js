@@ -1,6 +1,6 @@
 /* The docs site's behaviour, without a framework or a network: a sidebar that folds away on narrow screens, a copy
-   button on every code block, search over every section of every page, and tables of prose
-   that stack on a phone. The search index is `search.js`
+   button on every code block, search over every section of every page, tables of prose
+   that stack on a phone, a shade on tables that scroll sideways, and sentences in DataFrame cells aligned left. The search index is `search.js`
    (`window.SEARCH_INDEX`, written by tools/build_docs.py): a script rather than JSON, so that pages opened from disk
    can load it too. */
 (function () {
@@ -162,8 +162,6 @@
      column's name (CSS, `.prose-table`), where scrolling sideways would hide the last columns */
   function setupProseTables() {
     document.querySelectorAll('.jp-RenderedHTMLCommon table').forEach(function (table) {
-      // a DataFrame's cells are right-aligned, for numbers: a sentence in one (a report's reason) reads from the left
-      table.querySelectorAll('td').forEach(function (td) { if (td.textContent.trim().length > 24 && td.textContent.indexOf(' ') >= 0) td.classList.add('text-cell'); });
       var heads = Array.prototype.map.call(table.querySelectorAll('thead th'), function (th) { return th.textContent.trim(); });
       var cells = table.querySelectorAll('tbody td');
       if (heads[0] === 'Parameter') table.classList.add('param-table'); // (tools/processed_nb.param_tables)
@@ -176,6 +174,13 @@
       table.querySelectorAll('tbody tr').forEach(function (tr) {
         Array.prototype.forEach.call(tr.children, function (td, i) { if (i > 0 && heads[i] && td.textContent.trim()) td.setAttribute('data-label', heads[i]); });
       });
+    });
+  }
+
+  /* A DataFrame's cells are right-aligned, for numbers: a sentence in one (a report's reason) reads from the left */
+  function setupTextCells() {
+    document.querySelectorAll('.jp-RenderedHTMLCommon td').forEach(function (td) {
+      if (td.textContent.trim().length > 24 && td.textContent.indexOf(' ') >= 0) td.classList.add('text-cell');
     });
   }
 
@@ -209,5 +214,5 @@
   }
   window.addEventListener('hashchange', openFoldsForHash);
 
-  document.addEventListener('DOMContentLoaded', function () { setupSidebar(); setupCopyButtons(); setupSearch(); setupProseTables(); setupScrollCues(); setupInlineToc(); openFoldsForHash(); });
+  document.addEventListener('DOMContentLoaded', function () { setupSidebar(); setupCopyButtons(); setupSearch(); setupProseTables(); setupTextCells(); setupScrollCues(); setupInlineToc(); openFoldsForHash(); });
 })();
